@@ -1,0 +1,1 @@
+"""Alembic migrations of the staging store (installed as ``store.migrations``)."""

@@ -1,0 +1,298 @@
+"""Packed token columns: validated once, immutable, hashed and stored without re-encoding.
+
+A record's three token columns are held as numpy arrays wrapped in small read-only
+sequence types.  The big-endian bytes the staging digest hashes are derived once and
+cached on the column; the compact storage form (``encode_*``) is derived from the same
+arrays, so a record built locally is never re-encoded when it is staged.
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+import xxhash
+
+from store.errors import DigestValueError
+
+_U64_MAX = 2**64 - 1
+_LITTLE = sys.byteorder == "little"
+_INT_ARRAY_CODES = frozenset("bBhHiIlLqQ")
+_FLOAT_ARRAY_CODES = frozenset("fd")
+
+
+def _readonly(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+class TokenIds(Sequence[int]):
+    """An immutable column of u64 token ids."""
+
+    __slots__ = ("_big_endian", "_values")
+
+    def __init__(self, values: np.ndarray) -> None:
+        # Trusted: callers pass a validated uint64 array (use ``coerce`` otherwise).
+        self._values = _readonly(values)
+        self._big_endian: np.ndarray | None = None
+
+    @classmethod
+    def coerce(cls, ids: Any, name: str = "token ids") -> TokenIds:
+        """Validate ``ids`` (exact non-negative ints below 2**64) into a column."""
+        if isinstance(ids, TokenIds):
+            return ids
+        if isinstance(ids, (np.ndarray, array.array)):
+            return cls(_ids_from_buffer(ids, name))
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise DigestValueError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
+        if not ids:
+            return cls(np.empty(0, dtype=np.uint64))
+        kinds = set(map(type, ids))
+        if kinds != {int}:
+            bad = sorted(k.__name__ for k in kinds if k is not int)
+            raise DigestValueError(f"{name} must be exact ints (a bool is refused); found {', '.join(bad)}")
+        try:
+            values = np.array(ids, dtype=np.uint64)
+        except (OverflowError, ValueError) as exc:
+            raise DigestValueError(f"{name} must lie in [0, 2**64-1]") from exc
+        return cls(values)
+
+    @classmethod
+    def concat(cls, parts: Sequence[TokenIds]) -> TokenIds:
+        if not parts:
+            return cls(np.empty(0, dtype=np.uint64))
+        return cls(np.concatenate([p._values for p in parts]))
+
+    @property
+    def array(self) -> np.ndarray:
+        """The read-only uint64 values."""
+        return self._values
+
+    def big_endian(self) -> np.ndarray:
+        """The ids as u64 big-endian, exactly as the wire digests hash them (cached)."""
+        if self._big_endian is None:
+            be = self._values.byteswap().view(">u8") if _LITTLE else self._values
+            self._big_endian = _readonly(be)
+        return self._big_endian
+
+    def tolist(self) -> list[int]:
+        return list(self._values.tolist())
+
+    def __len__(self) -> int:
+        return int(self._values.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> TokenIds: ...
+    def __getitem__(self, index: int | slice) -> int | TokenIds:
+        if isinstance(index, slice):
+            return TokenIds(self._values[index].copy())
+        return int(self._values[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._values.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return bool(np.array_equal(self._values, other._values))
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self.tolist()!r})" if len(self) <= 16 else f"TokenIds(<{len(self)} ids>)"
+
+
+def _ids_from_buffer(ids: np.ndarray | array.array[int], name: str) -> np.ndarray:
+    if isinstance(ids, array.array):
+        if ids.typecode not in _INT_ARRAY_CODES:
+            raise DigestValueError(f"{name} must be integers, got array typecode {ids.typecode!r}")
+        values = np.frombuffer(ids, dtype=np.dtype(ids.typecode))
+    else:
+        values = ids
+    if values.ndim != 1 or values.dtype.kind not in "iu":
+        raise DigestValueError(f"{name} must be a 1-d integer array, got {values.dtype} x{values.ndim}d")
+    if values.dtype.kind == "i" and values.size and int(values.min()) < 0:
+        raise DigestValueError(f"{name} must lie in [0, 2**64-1]; found a negative id")
+    return values.astype(np.uint64, copy=True)
+
+
+class FloatColumn(Sequence[float]):
+    """An immutable column of finite floats hashed as IEEE-754 binary32 (wire-contract 2.5)."""
+
+    __slots__ = ("_f32", "_values")
+
+    def __init__(self, values: np.ndarray, f32: np.ndarray) -> None:
+        # Trusted: ``values`` are finite float64, ``f32`` their big-endian binary32 rounding.
+        self._values = _readonly(values)
+        self._f32 = _readonly(f32)
+
+    @classmethod
+    def coerce(cls, values: Any, name: str) -> FloatColumn:
+        """Validate exact finite floats that fit binary32 into a column."""
+        if isinstance(values, FloatColumn):
+            return values
+        if isinstance(values, array.array):
+            if values.typecode not in _FLOAT_ARRAY_CODES:
+                raise DigestValueError(f"{name} must be floats, got array typecode {values.typecode!r}")
+            f64 = np.frombuffer(values, dtype=np.dtype(values.typecode)).astype(np.float64)
+        elif isinstance(values, np.ndarray):
+            if values.ndim != 1 or values.dtype.kind != "f":
+                raise DigestValueError(f"{name} must be a 1-d float array, got {values.dtype}")
+            f64 = values.astype(np.float64, copy=True)
+        elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise DigestValueError(f"{name} must be a sequence of floats, got {type(values).__name__}")
+        elif not values:
+            f64 = np.empty(0, dtype=np.float64)
+        else:
+            kinds = set(map(type, values))
+            if kinds != {float}:
+                bad = sorted(k.__name__ for k in kinds if k is not float)
+                raise DigestValueError(
+                    f"{name} must be exact floats (ints and bools are refused); found {', '.join(bad)}"
+                )
+            f64 = np.array(values, dtype=np.float64)
+        if not np.isfinite(f64).all():
+            raise DigestValueError(f"{name} must be finite (NaN and infinity are refused)")
+        with np.errstate(over="ignore"):
+            f32 = f64.astype(">f4")
+        if np.isinf(f32).any():
+            raise DigestValueError(f"{name} holds a value too large for binary32")
+        return cls(f64, f32)
+
+    @classmethod
+    def from_f32(cls, f32: np.ndarray) -> FloatColumn:
+        """A column whose values are the given binary32 values widened (exact)."""
+        return cls(f32.astype(np.float64), f32)
+
+    @classmethod
+    def concat(cls, parts: Sequence[FloatColumn]) -> FloatColumn:
+        if not parts:
+            return cls(np.empty(0, dtype=np.float64), np.empty(0, dtype=">f4"))
+        return cls(np.concatenate([p._values for p in parts]), np.concatenate([p._f32 for p in parts]))
+
+    @classmethod
+    def filled(cls, value: float, count: int) -> FloatColumn:
+        return cls.coerce(np.full(count, value, dtype=np.float64), "filled column")
+
+    @property
+    def array(self) -> np.ndarray:
+        """The read-only float64 values as given (their binary32 rounding is what is hashed)."""
+        return self._values
+
+    def big_endian_f32(self) -> np.ndarray:
+        return self._f32
+
+    def tolist(self) -> list[float]:
+        return list(self._values.tolist())
+
+    def __len__(self) -> int:
+        return int(self._values.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+    @overload
+    def __getitem__(self, index: slice) -> FloatColumn: ...
+    def __getitem__(self, index: int | slice) -> float | FloatColumn:
+        if isinstance(index, slice):
+            return FloatColumn(self._values[index].copy(), self._f32[index].copy())
+        return float(self._values[index])
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._values.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        # Equal when they hash equal: compare the binary32 bit patterns (-0.0 != 0.0).
+        if isinstance(other, FloatColumn):
+            return self._f32.tobytes() == other._f32.tobytes()
+        if isinstance(other, (list, tuple)):
+            try:
+                return self == FloatColumn.coerce(list(other), "other")
+            except DigestValueError:
+                return False
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FloatColumn({self.tolist()!r})" if len(self) <= 16 else f"FloatColumn(<{len(self)} values>)"
+
+
+# ---------------------------------------------------------------------------------------
+# Compact storage forms.  Each starts with a one-byte tag so the layout can evolve.
+
+_IDS_U32 = b"4"
+_IDS_U64 = b"8"
+_MASK_RUN = b"R"  # u64 count of +0.0 carry positions, then only +1.0 generated positions
+_MASK_RAW = b"F"  # raw big-endian binary32 patterns
+_F32_RAW = b"F"
+_ZERO_F32 = b"\x00\x00\x00\x00"
+_ONE_F32 = b"\x3f\x80\x00\x00"
+
+
+def encode_ids(ids: TokenIds) -> bytes:
+    """u32 little-endian when every id fits (typical vocabularies), else u64."""
+    values = ids.array
+    if values.size == 0 or int(values.max()) < 2**32:
+        return _IDS_U32 + values.astype("<u4").tobytes()
+    return _IDS_U64 + values.astype("<u8").tobytes()
+
+
+def decode_ids(data: bytes) -> TokenIds:
+    tag, body = data[:1], data[1:]
+    if tag == _IDS_U32:
+        return TokenIds(np.frombuffer(body, dtype="<u4").astype(np.uint64))
+    if tag == _IDS_U64:
+        return TokenIds(np.frombuffer(body, dtype="<u8").astype(np.uint64))
+    raise ValueError(f"unknown token-id column tag {tag!r}")
+
+
+def encode_mask(mask: FloatColumn) -> bytes:
+    """Carry-then-generation masks (the common shape) take nine bytes whatever their length."""
+    raw = mask.big_endian_f32().tobytes()
+    carry = _leading_zero_words(raw)
+    if raw == _ZERO_F32 * carry + _ONE_F32 * (len(mask) - carry):
+        return _MASK_RUN + carry.to_bytes(8, "big") + len(mask).to_bytes(8, "big")
+    return _MASK_RAW + raw
+
+
+def _leading_zero_words(raw: bytes) -> int:
+    stripped = raw.lstrip(b"\x00")
+    return (len(raw) - len(stripped)) // 4
+
+
+def decode_mask(data: bytes) -> FloatColumn:
+    tag = data[:1]
+    if tag == _MASK_RUN:
+        carry = int.from_bytes(data[1:9], "big")
+        total = int.from_bytes(data[9:17], "big")
+        f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4")
+        return FloatColumn.from_f32(f32)
+    if tag == _MASK_RAW:
+        return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
+    raise ValueError(f"unknown mask column tag {tag!r}")
+
+
+def encode_floats(values: FloatColumn) -> bytes:
+    return _F32_RAW + values.big_endian_f32().tobytes()
+
+
+def decode_floats(data: bytes) -> FloatColumn:
+    if data[:1] != _F32_RAW:
+        raise ValueError(f"unknown float column tag {data[:1]!r}")
+    return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
+
+
+def frame_checksum(*parts: bytes) -> bytes:
+    """xxh3-128 over the stored bytes of one event (corruption check, not a wire digest)."""
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        hasher.update(len(part).to_bytes(8, "big"))
+        hasher.update(part)
+    return hasher.digest()

@@ -1,0 +1,358 @@
+"""NeMo Gym-compatible staging digests (wire-contract section 2), as pure functions.
+
+Byte-identical with Gym for schema 2 and schema 3: the only difference between them is
+the schema byte hashed first, so a record's own ``schema_version`` decides.  Columns are
+validated and packed in bulk (numpy), never token by token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from store.columns import FloatColumn, TokenIds
+from store.errors import DigestTypeError, DigestValueError
+
+STAGING_CALL_DOMAIN = b"nemo-gym-staging-call-v2"
+EXTRAS_DOMAIN = b"nemo-gym-staging-extras-v1"
+CUMULATIVE_DOMAIN = b"nemo-gym-staging-prefix-v2"
+CHAIN_DOMAIN = b"nemo-gym-staging-chain-v1"
+
+SUPPORTED_SCHEMA_VERSIONS = (2, 3)
+STAGING_SCHEMA_VERSION: Final = 2
+STAGING_DIGEST_VERSION = 2
+EXTRAS_DIGEST_VERSION = 1
+CAPTURE_MODES = ("text", "token_in")
+
+_U64_MAX = 2**64 - 1
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_HEX = frozenset("0123456789abcdef")
+_PACK_U64 = struct.Struct(">Q").pack
+_PACK_F64 = struct.Struct(">d").pack
+
+
+# --- primitives (wire-contract section 1) ----------------------------------------------
+
+
+def u64(value: Any, name: str = "value") -> bytes:
+    if type(value) is not int or not 0 <= value <= _U64_MAX:
+        raise DigestValueError(f"{name} must be an int in [0, 2**64-1] (a bool is refused), got {value!r}")
+    return _PACK_U64(value)
+
+
+def _text(value: Any, name: str) -> bytes:
+    if not isinstance(value, str):
+        raise DigestTypeError(f"{name} must be a string, got {type(value).__name__}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DigestValueError(f"{name} is not encodable as UTF-8: {exc.reason}") from exc
+    return _PACK_U64(len(raw)) + raw
+
+
+def is_digest_hex(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
+
+
+def hex_digest_bytes(value: Any, name: str) -> bytes:
+    """``HEXDIGEST``: 32 raw bytes from exactly 64 lowercase hex characters."""
+    if not is_digest_hex(value):
+        raise DigestValueError(f"{name} must be 64 lowercase hex characters, got {value!r}")
+    return bytes.fromhex(value)
+
+
+def _present_digest(value: Any, name: str) -> bytes:
+    if not isinstance(value, str):
+        raise DigestTypeError(f"{name} must be a hex digest string, got {type(value).__name__}")
+    return b"\x01" + hex_digest_bytes(value, name)
+
+
+# --- chain and cumulative hashes (2.2, 2.3) --------------------------------------------
+
+
+def hash_token_ids(token_ids: Any) -> str:
+    """Cumulative hash: SHA256(prefix domain || IDS(ids))."""
+    return hash_token_columns(TokenIds.coerce(token_ids, "token ids"))
+
+
+def hash_token_columns(*parts: TokenIds) -> str:
+    """The cumulative hash of the concatenation of ``parts``, without concatenating them."""
+    hasher = hashlib.sha256(CUMULATIVE_DOMAIN)
+    hasher.update(_PACK_U64(sum(len(p) for p in parts)))
+    for part in parts:
+        hasher.update(part.big_endian().data)
+    return hasher.hexdigest()
+
+
+def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Any) -> str:
+    """Chain hash: SHA256(chain domain || parent presence || IDS(delta))."""
+    delta = TokenIds.coerce(token_ids_delta, "token_ids_delta")
+    parent = (
+        b"\x00" if parent_chain_hash is None else b"\x01" + hex_digest_bytes(parent_chain_hash, "parent chain hash")
+    )
+    hasher = hashlib.sha256(CHAIN_DOMAIN)
+    hasher.update(parent)
+    hasher.update(_PACK_U64(len(delta)))
+    hasher.update(delta.big_endian().data)
+    return hasher.hexdigest()
+
+
+# --- extras digest (2.4) ---------------------------------------------------------------
+
+
+def compute_extras_digest(extras: Any) -> str:
+    if extras is None:
+        normalized: dict[str, Any] | None = None
+    elif isinstance(extras, Mapping):
+        normalized = dict(extras)
+    else:
+        raise DigestTypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
+    out: list[bytes] = [EXTRAS_DOMAIN, bytes([EXTRAS_DIGEST_VERSION])]
+    _encode_extras(normalized, out)
+    hasher = hashlib.sha256()
+    for chunk in out:
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _encode_extras(value: Any, out: list[bytes]) -> None:
+    kind = type(value)
+    if value is None:
+        out.append(b"N")
+    elif kind is bool:
+        out.append(b"B\x01" if value else b"B\x00")
+    elif kind is int:
+        if not _I64_MIN <= value <= _I64_MAX:
+            raise DigestValueError(f"extras integer {value} is outside the signed 64-bit range")
+        out.append(b"I" + value.to_bytes(8, "big", signed=True))
+    elif kind is float:
+        if not math.isfinite(value):
+            raise DigestValueError(f"extras float {value!r} must be finite")
+        out.append(b"F" + _PACK_F64(value))
+    elif kind is str:
+        out.append(b"S" + _text(value, "extras string"))
+    elif kind is list:
+        out.append(b"L" + _PACK_U64(len(value)))
+        if len(value) > 32 and set(map(type, value)) == {int}:
+            out.append(_bulk_tagged_ints(value))
+        else:
+            for item in value:
+                _encode_extras(item, out)
+    elif kind is dict:
+        for key in value:
+            if type(key) is not str:
+                raise DigestTypeError(f"extras keys must be exact strings, got {type(key).__name__}")
+        encoded = sorted(((_utf8(key), item) for key, item in value.items()), key=_first)
+        out.append(b"D" + _PACK_U64(len(encoded)))
+        for key_bytes, item in encoded:
+            out.append(_PACK_U64(len(key_bytes)) + key_bytes)
+            _encode_extras(item, out)
+    else:
+        raise DigestTypeError(f"extras cannot encode a value of type {kind.__name__}")
+
+
+def _utf8(key: str) -> bytes:
+    try:
+        return key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DigestValueError(f"extras key is not encodable as UTF-8: {exc.reason}") from exc
+
+
+def _first(pair: tuple[bytes, Any]) -> bytes:
+    return pair[0]
+
+
+_TAGGED_I64 = np.dtype([("tag", "S1"), ("value", ">i8")])
+
+
+def _bulk_tagged_ints(values: list[int]) -> bytes:
+    try:
+        packed = np.array(values, dtype=np.int64)
+    except OverflowError as exc:
+        raise DigestValueError("an extras integer is outside the signed 64-bit range") from exc
+    tagged = np.empty(len(values), dtype=_TAGGED_I64)
+    tagged["tag"] = b"I"
+    tagged["value"] = packed
+    return tagged.tobytes()
+
+
+EMPTY_EXTRAS_DIGEST = compute_extras_digest(None)
+
+
+# --- staged-call digest (2.6) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PackedColumns:
+    """The three validated columns of a staged call."""
+
+    token_ids: TokenIds
+    token_mask: FloatColumn
+    log_probs: FloatColumn
+
+
+def compute_staging_digest(
+    *,
+    schema_version: Any,
+    digest_version: Any,
+    extras_digest_version: Any,
+    rollout_id: Any,
+    model_call_id: Any,
+    parent_call_id: Any,
+    mode: Any,
+    prev_len: Any,
+    delta_len: Any,
+    cum_len: Any,
+    weight_version: Any,
+    token_ids_delta: Any,
+    token_mask_delta: Any,
+    generation_log_probs_delta: Any,
+    extras_digest: Any,
+    chain_hash: Any,
+    cumulative_hash: Any,
+) -> str:
+    """The staged-call digest; validation follows wire-contract 2.6 in order."""
+    digest, _ = staging_digest_and_columns(
+        schema_version=schema_version,
+        digest_version=digest_version,
+        extras_digest_version=extras_digest_version,
+        rollout_id=rollout_id,
+        model_call_id=model_call_id,
+        parent_call_id=parent_call_id,
+        mode=mode,
+        prev_len=prev_len,
+        delta_len=delta_len,
+        cum_len=cum_len,
+        weight_version=weight_version,
+        token_ids_delta=token_ids_delta,
+        token_mask_delta=token_mask_delta,
+        generation_log_probs_delta=generation_log_probs_delta,
+        extras_digest=extras_digest,
+        chain_hash=chain_hash,
+        cumulative_hash=cumulative_hash,
+    )
+    return digest
+
+
+def staging_digest_and_columns(
+    *,
+    schema_version: Any,
+    digest_version: Any,
+    extras_digest_version: Any,
+    rollout_id: Any,
+    model_call_id: Any,
+    parent_call_id: Any,
+    mode: Any,
+    prev_len: Any,
+    delta_len: Any,
+    cum_len: Any,
+    weight_version: Any,
+    token_ids_delta: Any,
+    token_mask_delta: Any,
+    generation_log_probs_delta: Any,
+    extras_digest: Any,
+    chain_hash: Any,
+    cumulative_hash: Any,
+) -> tuple[str, PackedColumns]:
+    """Validate, pack and hash in one pass; the packed columns are returned for reuse."""
+    _check_versions(schema_version, digest_version, extras_digest_version)
+    if not rollout_id or not model_call_id:
+        raise DigestValueError("rollout_id and model_call_id must be non-empty")
+    if parent_call_id == "":
+        raise DigestValueError("parent_call_id must be None for a root, never the empty string")
+    if mode not in CAPTURE_MODES:
+        raise DigestValueError(f"mode must be 'text' or 'token_in' for a staged record, got {mode!r}")
+    if parent_call_id is None:
+        if prev_len != 0 or mode != "text":
+            raise DigestValueError("a record without a parent must be text mode with prev_len 0")
+    elif prev_len == 0 or mode != "token_in":
+        raise DigestValueError("a record with a parent must be token_in mode with prev_len > 0")
+    if delta_len == 0:
+        raise DigestValueError("delta_len must not be 0: a staged delta holds at least one token")
+    if delta_len != len(token_ids_delta):
+        raise DigestValueError(f"delta_len {delta_len!r} != len(token_ids_delta) {len(token_ids_delta)}")
+    if not len(token_ids_delta) == len(token_mask_delta) == len(generation_log_probs_delta):
+        raise DigestValueError("token_ids_delta, token_mask_delta and generation_log_probs_delta differ in length")
+    columns = PackedColumns(
+        TokenIds.coerce(token_ids_delta, "token_ids_delta"),
+        FloatColumn.coerce(token_mask_delta, "token_mask_delta"),
+        FloatColumn.coerce(generation_log_probs_delta, "generation_log_probs_delta"),
+    )
+    check_mask_and_carry(columns.token_mask, columns.log_probs)
+    if cum_len != prev_len + delta_len:
+        raise DigestValueError(f"cum_len {cum_len!r} != prev_len {prev_len!r} + delta_len {delta_len!r}")
+    delta_bytes = u64(delta_len, "delta_len")
+    cum_bytes = u64(cum_len, "cum_len")
+    extras_raw = hex_digest_bytes(extras_digest, "extras_digest")
+
+    hasher = hashlib.sha256(STAGING_CALL_DOMAIN)
+    hasher.update(bytes((schema_version, digest_version, extras_digest_version)))
+    hasher.update(_text(rollout_id, "rollout_id"))
+    hasher.update(_text(model_call_id, "model_call_id"))
+    hasher.update(b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"))
+    hasher.update(_text(mode, "mode"))
+    hasher.update(u64(prev_len, "prev_len"))
+    hasher.update(delta_bytes)
+    hasher.update(cum_bytes)
+    hasher.update(u64(weight_version, "weight_version"))
+    count = len(columns.token_ids)
+    hasher.update(_PACK_U64(8 + 8 * count) + _PACK_U64(count))
+    hasher.update(columns.token_ids.big_endian().data)
+    float_header = _PACK_U64(8 + 4 * count) + _PACK_U64(count)
+    hasher.update(float_header)
+    hasher.update(memoryview(columns.token_mask.big_endian_f32()))
+    hasher.update(float_header)
+    hasher.update(memoryview(columns.log_probs.big_endian_f32()))
+    hasher.update(extras_raw)
+    hasher.update(_present_digest(chain_hash, "chain_hash"))
+    hasher.update(_present_digest(cumulative_hash, "cumulative_hash"))
+    return hasher.hexdigest(), columns
+
+
+def _check_versions(schema_version: Any, digest_version: Any, extras_digest_version: Any) -> None:
+    if type(schema_version) is not int or schema_version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise DigestValueError(f"unsupported schema_version {schema_version!r}; supported: 2 and 3")
+    if type(digest_version) is not int or digest_version != STAGING_DIGEST_VERSION:
+        raise DigestValueError(f"unsupported digest_version {digest_version!r}; must be 2")
+    if type(extras_digest_version) is not int or extras_digest_version != EXTRAS_DIGEST_VERSION:
+        raise DigestValueError(f"unsupported extras_digest_version {extras_digest_version!r}; must be 1")
+
+
+def check_mask_and_carry(mask: FloatColumn, log_probs: FloatColumn) -> None:
+    """Masks are 0.0 or 1.0; every carry (mask 0.0) position has log-prob 0.0 (-0.0 passes)."""
+    values = mask.array
+    carry = values == 0.0
+    if not (carry | (values == 1.0)).all():
+        raise DigestValueError("token_mask_delta values must be exactly 0.0 or 1.0")
+    if carry.any() and (log_probs.array[carry] != 0.0).any():
+        raise DigestValueError("a carry position (mask 0.0) must have log-prob 0.0")
+
+
+def build_staging_delta(
+    prompt_token_ids: Sequence[int],
+    generated_token_ids: Sequence[int],
+    generated_logprobs: Sequence[float],
+    prev_len: int,
+) -> PackedColumns:
+    """Columns for a call: the prompt tail after ``prev_len`` as carry, then the generation."""
+    if type(prev_len) is not int or not 0 <= prev_len <= len(prompt_token_ids):
+        raise DigestValueError(f"prev_len {prev_len!r} is outside prompt length {len(prompt_token_ids)}")
+    if len(generated_token_ids) != len(generated_logprobs):
+        raise DigestValueError("generated token ids and log-probs lengths differ")
+    prompt = TokenIds.coerce(prompt_token_ids, "prompt_token_ids")
+    generated = TokenIds.coerce(generated_token_ids, "generated_token_ids")
+    carry = len(prompt) - prev_len
+    if carry + len(generated) == 0:
+        raise DigestValueError("the staging delta is empty: no carried prompt and no generated tokens")
+    ids = TokenIds.concat([prompt[prev_len:], generated])
+    mask = FloatColumn.concat([FloatColumn.filled(0.0, carry), FloatColumn.filled(1.0, len(generated))])
+    lps = FloatColumn.concat(
+        [FloatColumn.filled(0.0, carry), FloatColumn.coerce(generated_logprobs, "generated_logprobs")]
+    )
+    return PackedColumns(ids, mask, lps)

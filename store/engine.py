@@ -1,0 +1,208 @@
+"""Opening a store: URL handling, per-backend settings, compiled statements, migrations.
+
+Everything backend-specific lives here, in two thin adapters; the rest of the library
+speaks portable SQLAlchemy Core.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
+
+from store.errors import ConfigurationError, MigrationError, StorageError
+from store.schema import SCHEMA_REVISION
+
+DURABILITY_LEVELS = ("full", "normal")
+BUSY_TIMEOUT_MS = 60_000
+_PG_WRITE_LOCK = 0x5354_4147  # advisory lock id: one writer at a time, as on SQLite
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What differs between SQLite and PostgreSQL; everything else is shared code."""
+
+    name: str
+    begin_write_sql: str
+
+    def describe_url(self, url: URL) -> str:
+        return url.render_as_string(hide_password=True)
+
+
+SQLITE = Backend("sqlite", "BEGIN IMMEDIATE")
+POSTGRESQL = Backend("postgresql", f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK})")
+
+
+def resolve_url(url_or_path: str | os.PathLike[str]) -> URL:
+    """A plain path means a SQLite file; anything with ``://`` is a SQLAlchemy URL."""
+    text = os.fspath(url_or_path)
+    if not text:
+        raise ConfigurationError("open_store needs a path or a database URL, got an empty string")
+    if "://" not in text:
+        path = Path(text).expanduser().resolve()
+        if path.is_dir():
+            raise ConfigurationError(f"{path} is a directory; pass the path of a store file")
+        if not path.parent.is_dir():
+            raise ConfigurationError(f"the folder {path.parent} does not exist")
+        return URL.create("sqlite+pysqlite", database=str(path))
+    try:
+        url = make_url(text)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"not a database URL: {text!r}") from exc
+    if url.get_backend_name() == "postgresql" and url.get_driver_name() in ("", "psycopg2"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def create_store_engine(url: URL, durability: str) -> tuple[Engine, Backend]:
+    if durability not in DURABILITY_LEVELS:
+        raise ConfigurationError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
+    backend_name = url.get_backend_name()
+    if backend_name == "sqlite":
+        if url.database in (None, "", ":memory:"):
+            raise ConfigurationError("an in-memory SQLite database is not durable; pass a file path")
+        engine = sa.create_engine(url)
+        _configure_sqlite(engine, durability)
+        return engine, SQLITE
+    if backend_name == "postgresql":
+        try:
+            engine = sa.create_engine(url, pool_pre_ping=True)
+        except ImportError as exc:
+            raise ConfigurationError("PostgreSQL needs psycopg: pip install 'psycopg[binary]'") from exc
+        _configure_postgresql(engine, durability)
+        return engine, POSTGRESQL
+    raise ConfigurationError(f"unsupported database {backend_name!r}; use a SQLite path or a postgresql:// URL")
+
+
+def _configure_sqlite(engine: Engine, durability: str) -> None:
+    synchronous = "FULL" if durability == "full" else "NORMAL"
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
+        # Autocommit at the driver: the store issues BEGIN IMMEDIATE itself for writes,
+        # so reads never take the write lock and every write has one begin path.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute(f"PRAGMA synchronous = {synchronous}")
+        cursor.close()
+
+
+def _configure_postgresql(engine: Engine, durability: str) -> None:
+    synchronous_commit = "on" if durability == "full" else "off"
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET synchronous_commit = {synchronous_commit}")
+        dbapi_connection.commit()
+
+
+class Statement:
+    """A Core statement compiled once for a dialect, run on a raw DBAPI cursor (hot paths)."""
+
+    def __init__(self, statement: sa.sql.ClauseElement, engine: Engine) -> None:
+        compiled = statement.compile(dialect=engine.dialect)
+        self.sql = compiled.string
+        self._order: Sequence[str] | None = getattr(compiled, "positiontup", None)
+
+    def params(self, values: Mapping[str, Any]) -> Sequence[Any] | Mapping[str, Any]:
+        if self._order is None:
+            return values
+        return tuple(values[name] for name in self._order)
+
+
+def storage_error(action: str, exc: BaseException) -> StorageError:
+    return StorageError(f"{action} failed: {type(exc).__name__}: {exc}")
+
+
+def driver_errors(engine: Engine) -> tuple[type[BaseException], ...]:
+    dbapi = engine.dialect.loaded_dbapi
+    return (sa.exc.SQLAlchemyError, dbapi.Error)
+
+
+# --- migrations --------------------------------------------------------------------------
+
+
+def migrations_path() -> Path:
+    """The alembic scripts: inside the installed package, or the source tree's ``migrations/``."""
+    try:
+        located = resources.files("store.migrations")
+        path = Path(str(located))
+        if (path / "env.py").is_file():
+            return path
+    except ModuleNotFoundError:
+        pass
+    source_tree = Path(__file__).resolve().parent.parent / "migrations"
+    if (source_tree / "env.py").is_file():
+        return source_tree
+    raise MigrationError("the store's migration scripts are missing from this installation")
+
+
+def current_revision(connection: sa.Connection) -> str | None:
+    if not sa.inspect(connection).has_table("alembic_version"):
+        return None
+    return connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+
+
+def migrate(engine: Engine, backend: Backend) -> None:
+    """Bring the schema to ``SCHEMA_REVISION`` under the write lock (safe across processes)."""
+    errors = driver_errors(engine)
+    try:
+        with engine.connect() as connection:
+            if current_revision(connection) == SCHEMA_REVISION:
+                connection.rollback()
+                return
+            connection.rollback()
+            connection.exec_driver_sql(backend.begin_write_sql)
+            revision = current_revision(connection)
+            if revision != SCHEMA_REVISION:
+                _run_alembic(connection)
+            connection.commit()
+    except MigrationError:
+        raise
+    except errors as exc:
+        raise MigrationError(f"migrating the store schema failed: {exc}") from exc
+
+
+def _run_alembic(connection: sa.Connection) -> None:
+    from alembic import command
+    from alembic.config import Config
+    from alembic.util.exc import CommandError
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_path()))
+    config.attributes["connection"] = connection
+    try:
+        command.upgrade(config, SCHEMA_REVISION)
+    except CommandError as exc:
+        raise MigrationError(
+            f"cannot migrate to schema {SCHEMA_REVISION}: {exc} (is the store newer than this library?)"
+        ) from exc
+
+
+@contextmanager
+def raw_write_transaction(dbapi_connection: Any, backend: Backend) -> Iterator[Any]:
+    """One write transaction on a raw DBAPI connection: the single begin path for writes."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(backend.begin_write_sql)
+        yield cursor
+        dbapi_connection.commit()
+    except BaseException:
+        try:
+            dbapi_connection.rollback()
+        finally:
+            cursor.close()
+        raise
+    cursor.close()

@@ -1,0 +1,66 @@
+"""The store's error tree: every error the library raises derives from ``StoreError``.
+
+Digest and record errors also derive from the builtin ``ValueError``/``TypeError`` that
+NeMo Gym raises for the same inputs, so callers written against Gym keep working.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Root of every error this library raises."""
+
+
+class DigestValueError(StoreError, ValueError):
+    """A digest input has a bad value (Gym raises ``ValueError`` for the same input)."""
+
+
+class DigestTypeError(StoreError, TypeError):
+    """A digest input has a bad type (Gym raises ``TypeError`` for the same input)."""
+
+
+class InvalidRecordError(StoreError, ValueError):
+    """A wire record violates its schema or a cross-field rule."""
+
+
+class DigestMismatchError(InvalidRecordError):
+    """A record's supplied digest does not match its fields."""
+
+
+class ConfigurationError(StoreError, ValueError):
+    """``open_store`` was given an unusable URL, path or option."""
+
+
+class StorageError(StoreError):
+    """The database failed; the driver's error is chained as ``__cause__``."""
+
+
+class MigrationError(StorageError):
+    """The schema could not be brought to the version this library needs."""
+
+
+class StoreClosedError(StoreError):
+    """The store was used after ``close()``."""
+
+
+class UnknownKeyError(StoreError, KeyError):
+    """``fetch`` was asked for a staging key that holds no record."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown staging key"
+
+
+class CorruptRecordError(StoreError):
+    """Stored bytes failed their checksum, or a stored record failed its digest."""
+
+
+class CaptureError(StoreError):
+    """A worker-capture rule was violated (a caller bug); nothing was staged."""
+
+
+class StreamingUnsupportedError(CaptureError):
+    """Token capture needs the whole response; streaming is refused."""
+
+
+class GenerationCutError(CaptureError):
+    """A generation cut could not be served, or a continuation could not be resolved."""

@@ -1,0 +1,106 @@
+"""The event types of the log and their msgpack bodies.
+
+Bodies evolve only by appending fields with defaults (msgspec schema evolution), so an
+old log always replays under new code.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class EventKind(enum.StrEnum):
+    CALL_ADMITTED = "call_admitted"
+    PREFIX_STAGED = "prefix_staged"
+    CHUNK_STAGED = "chunk_staged"
+    CALL_COMPLETED = "call_completed"
+    CALL_FAILED = "call_failed"
+    KEYS_CLEARED = "keys_cleared"
+    CUT_RECEIPT = "cut_receipt"
+
+
+RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED})
+
+# (start, end, version): delta positions [start, end) of the call's record were generated
+# by that policy version.  Carried prompt tokens belong to no span.
+Span = tuple[int, int, int]
+
+
+class RecordBody(msgspec.Struct, kw_only=True):
+    """A staged record without its token columns (those are stored packed beside it)."""
+
+    schema_version: int
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None
+    mode: str
+    prev_len: int
+    delta_len: int
+    cum_len: int
+    weight_version: int
+    digest: str
+    extras_digest: str
+    chain_hash: str
+    cumulative_hash: str
+    extras: dict[str, Any] | None = None
+    spans: list[Span] = []
+
+
+class AdmissionBody(msgspec.Struct, kw_only=True):
+    """An accepted admission: identity and lineage, its stamped version, what it continues.
+
+    The inline prefix is not repeated here (those tokens are the parent's); its cumulative
+    hash is kept instead.  ``restored_spans`` are the policy versions of a restored cut.
+    """
+
+    schema_version: int
+    parent_call_id: str | None
+    mode: str
+    prev_len: int
+    parent_chain_hash: str | None
+    prefix_hash: str
+    weight_version: int
+    staging_chain: list[str] = []
+    generation_cut: bytes | None = None  # the GenerationCutContinuation as JSON
+    continues: tuple[str, str] | None = None  # (source capture key, source model call id)
+    restored_spans: list[Span] = []
+
+
+class FailureBody(msgspec.Struct, kw_only=True):
+    reason: str
+
+
+class KeysClearedBody(msgspec.Struct, kw_only=True):
+    staging_keys: list[str]
+    reason: str
+
+
+class CutReceiptBody(msgspec.Struct, kw_only=True):
+    checkpoint_id: str
+    inventory_digest: str
+    receipt: bytes  # the GenerationCutReceipt as JSON, byte for byte
+
+
+BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
+    EventKind.CALL_ADMITTED: AdmissionBody,
+    EventKind.PREFIX_STAGED: RecordBody,
+    EventKind.CHUNK_STAGED: RecordBody,
+    EventKind.CALL_COMPLETED: RecordBody,
+    EventKind.CALL_FAILED: FailureBody,
+    EventKind.KEYS_CLEARED: KeysClearedBody,
+    EventKind.CUT_RECEIPT: CutReceiptBody,
+}
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(body) for kind, body in BODY_TYPES.items()}
+
+
+def encode_body(body: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(body)
+
+
+def decode_body(kind: EventKind, data: bytes) -> Any:
+    return _DECODERS[kind].decode(data)

@@ -1,0 +1,326 @@
+"""The append path: one write transaction per batch, shared by concurrent callers (group commit).
+
+A caller hands ``EventLog.write`` a function of a ``WriteTransaction``.  The first caller to
+arrive while no batch is being written becomes the leader: it runs every queued function
+in one transaction and commits once, then wakes the others.  Each function runs inside a
+savepoint when it shares a batch, so one caller's error never undoes another's events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from store import schema
+from store.columns import encode_floats, encode_ids, encode_mask, frame_checksum
+from store.digest import PackedColumns
+from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error
+from store.errors import StorageError, StoreError
+from store.events import EventKind, encode_body
+from store.projections import (
+    CallState,
+    Event,
+    KeyState,
+    affects_call,
+    fold_call,
+    fold_keys,
+    fold_receipt,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to append; ``columns`` are stored packed beside the body."""
+
+    kind: EventKind
+    rollout_id: str
+    model_call_id: str
+    body: msgspec.Struct
+    staging_key: str | None = None
+    columns: PackedColumns | None = None
+
+
+class _Statements:
+    """The write path's statements, compiled once for the store's dialect."""
+
+    def __init__(self, engine: Engine) -> None:
+        events, keys, calls, receipts = schema.events, schema.staged_keys, schema.calls, schema.cut_receipts
+        event_columns = [c for c in events.c if c.name != "seq"]
+        self.insert_event = Statement(
+            sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns}).returning(events.c.seq),
+            engine,
+        )
+        self.stream_version = Statement(
+            sa.select(sa.func.max(events.c.stream_version)).where(
+                events.c.rollout_id == sa.bindparam("rollout_id"),
+                events.c.model_call_id == sa.bindparam("model_call_id"),
+            ),
+            engine,
+        )
+        self.select_key = Statement(
+            sa.select(keys.c.event_seq, keys.c.rollout_id, keys.c.model_call_id, keys.c.digest).where(
+                keys.c.staging_key == sa.bindparam("staging_key")
+            ),
+            engine,
+        )
+        self.insert_key = Statement(sa.insert(keys).values({c: sa.bindparam(c.name) for c in keys.c}), engine)
+        self.delete_key = Statement(sa.delete(keys).where(keys.c.staging_key == sa.bindparam("staging_key")), engine)
+        self.call_columns = [c.name for c in calls.c]
+        self.select_call = Statement(
+            sa.select(*calls.c).where(
+                calls.c.rollout_id == sa.bindparam("rollout_id"),
+                calls.c.model_call_id == sa.bindparam("model_call_id"),
+            ),
+            engine,
+        )
+        self.insert_call = Statement(sa.insert(calls).values({c: sa.bindparam(c.name) for c in calls.c}), engine)
+        updated = [c for c in calls.c if c.name not in ("rollout_id", "model_call_id")]
+        self.update_call = Statement(
+            sa.update(calls)
+            .where(
+                calls.c.rollout_id == sa.bindparam("b_rollout_id"),
+                calls.c.model_call_id == sa.bindparam("b_model_call_id"),
+            )
+            .values({c: sa.bindparam(c.name) for c in updated}),
+            engine,
+        )
+        self.select_receipt = Statement(
+            sa.select(receipts.c.event_seq).where(
+                receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
+                receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
+            ),
+            engine,
+        )
+        self.insert_receipt = Statement(
+            sa.insert(receipts).values({c: sa.bindparam(c.name) for c in receipts.c}), engine
+        )
+
+
+class WriteTransaction:
+    """What a write function may do inside the shared transaction."""
+
+    def __init__(self, cursor: Any, statements: _Statements) -> None:
+        self._cursor = cursor
+        self._sql = statements
+        self._pid = os.getpid()
+
+    def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
+        return self._cursor.execute(statement.sql, statement.params(values))
+
+    def key(self, staging_key: str) -> KeyState | None:
+        row = self._execute(self._sql.select_key, {"staging_key": staging_key}).fetchone()
+        return None if row is None else KeyState(*row)
+
+    def call(self, rollout_id: str, model_call_id: str) -> CallState | None:
+        row = self._execute(
+            self._sql.select_call, {"rollout_id": rollout_id, "model_call_id": model_call_id}
+        ).fetchone()
+        return None if row is None else CallState.from_row(dict(zip(self._sql.call_columns, row, strict=True)))
+
+    def receipt_seq(self, checkpoint_id: str, inventory_digest: str) -> int | None:
+        row = self._execute(
+            self._sql.select_receipt, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest}
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def append(self, new: NewEvent) -> int:
+        """Append one event and fold it into the projections; returns its sequence number."""
+        current = self._execute(
+            self._sql.stream_version, {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
+        ).fetchone()[0]
+        version = (current or 0) + 1
+        body = encode_body(new.body)
+        if new.columns is None:
+            ids = mask = lps = None
+            checksum = frame_checksum(body)
+        else:
+            ids = encode_ids(new.columns.token_ids)
+            mask = encode_mask(new.columns.token_mask)
+            lps = encode_floats(new.columns.log_probs)
+            checksum = frame_checksum(body, ids, mask, lps)
+        row = self._execute(
+            self._sql.insert_event,
+            {
+                "rollout_id": new.rollout_id,
+                "model_call_id": new.model_call_id,
+                "stream_version": version,
+                "kind": new.kind.value,
+                "staging_key": new.staging_key,
+                "writer_pid": self._pid,
+                "recorded_at": time.time(),
+                "body": body,
+                "token_ids": ids,
+                "token_mask": mask,
+                "log_probs": lps,
+                "checksum": checksum,
+            },
+        ).fetchone()
+        seq = int(row[0])
+        self._project(Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body))
+        return seq
+
+    def _project(self, event: Event) -> None:
+        if affects_call(event.kind):
+            current = self.call(event.rollout_id, event.model_call_id)
+            row = fold_call(current, event).to_row()
+            if current is None:
+                self._execute(self._sql.insert_call, row)
+            else:
+                row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
+                self._execute(self._sql.update_call, row)
+        added, removed = fold_keys(event)
+        for key in removed:
+            self._execute(self._sql.delete_key, {"staging_key": key})
+        for key, state in added.items():
+            self._execute(self._sql.delete_key, {"staging_key": key})
+            self._execute(
+                self._sql.insert_key,
+                {
+                    "staging_key": key,
+                    "event_seq": state.event_seq,
+                    "rollout_id": state.rollout_id,
+                    "model_call_id": state.model_call_id,
+                    "digest": state.digest,
+                },
+            )
+        receipt = fold_receipt(event)
+        if receipt is not None:
+            (checkpoint_id, inventory_digest), seq = receipt
+            self._execute(
+                self._sql.insert_receipt,
+                {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
+            )
+
+    def savepoint(self, name: str) -> None:
+        self._cursor.execute(f"SAVEPOINT {name}")
+
+    def release(self, name: str) -> None:
+        self._cursor.execute(f"RELEASE SAVEPOINT {name}")
+
+    def rollback_to(self, name: str) -> None:
+        self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
+
+
+class _Pending(Generic[T]):
+    __slots__ = ("done", "error", "result", "work")
+
+    def __init__(self, work: Callable[[WriteTransaction], T]) -> None:
+        self.work = work
+        self.done = False
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+
+class EventLog:
+    """The single write path of a store: group commit over one writer connection."""
+
+    def __init__(self, engine: Engine, backend: Backend) -> None:
+        self._engine = engine
+        self._backend = backend
+        self._statements = _Statements(engine)
+        self._driver_errors = driver_errors(engine)
+        self._condition = threading.Condition()
+        self._queue: list[_Pending[Any]] = []
+        self._writing = False
+        self._connection: Any = None
+
+    def write(self, work: Callable[[WriteTransaction], T]) -> T:
+        """Run ``work`` in a write transaction and return its result once committed."""
+        pending: _Pending[T] = _Pending(work)
+        with self._condition:
+            self._queue.append(pending)
+            while self._writing and not pending.done:
+                self._condition.wait()
+            if not pending.done:
+                self._writing = True
+                batch, self._queue = self._queue, []
+        if not pending.done:
+            try:
+                self._write_batch(batch)
+            finally:
+                with self._condition:
+                    self._writing = False
+                    self._condition.notify_all()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result  # type: ignore[return-value]
+
+    def _write_batch(self, batch: list[_Pending[Any]]) -> None:
+        shared = len(batch) > 1
+        try:
+            connection = self._writer()
+            with raw_write_transaction(connection, self._backend) as cursor:
+                transaction = WriteTransaction(cursor, self._statements)
+                for index, pending in enumerate(batch):
+                    self._run_one(transaction, pending, f"op{index}" if shared else None)
+                if not shared and batch[0].error is not None:
+                    raise batch[0].error  # roll the lone caller's transaction back
+        except BaseException as exc:
+            if not isinstance(exc, StoreError):
+                self._discard_writer()  # the connection's state is unknown after a driver error
+            for pending in batch:
+                if pending.error is None:
+                    pending.error = self._translate(exc)
+                pending.result = None
+        finally:
+            for pending in batch:
+                pending.done = True
+
+    def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
+        if savepoint is not None:
+            transaction.savepoint(savepoint)
+        try:
+            pending.result = pending.work(transaction)
+        except self._driver_errors as exc:
+            pending.error = storage_error("writing to the store", exc)
+            pending.error.__cause__ = exc
+        except Exception as exc:  # reported to its own caller; the batch's other work stands
+            pending.error = exc
+        if savepoint is not None:
+            if pending.error is None:
+                transaction.release(savepoint)
+            else:
+                transaction.rollback_to(savepoint)
+                transaction.release(savepoint)
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, StoreError):
+            return exc
+        if isinstance(exc, self._driver_errors):
+            error = storage_error("committing to the store", exc)
+            error.__cause__ = exc
+            return error
+        return exc
+
+    def _writer(self) -> Any:
+        if self._connection is None:
+            self._connection = self._engine.raw_connection()
+        return self._connection
+
+    def _discard_writer(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):  # the connection is being thrown away anyway
+                self._connection.invalidate()
+            self._connection = None
+
+    def close(self) -> None:
+        with self._condition:
+            while self._writing:
+                self._condition.wait()
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+
+
+__all__ = ["EventLog", "NewEvent", "WriteTransaction", "StorageError"]

@@ -1,0 +1,230 @@
+"""Projections: pure folds of events into table rows, applied inline and on replay.
+
+The live path and ``replay`` run the same fold functions, so a rebuilt projection can be
+compared with the live one row for row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from store.columns import FloatColumn
+from store.events import (
+    AdmissionBody,
+    CutReceiptBody,
+    EventKind,
+    KeysClearedBody,
+    RecordBody,
+    Span,
+)
+from store.schema import version_key
+
+_SPANS_ENCODER = msgspec.msgpack.Encoder()
+_SPANS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int, int]])
+
+RECEIPT_STREAM = "__cut_receipts__"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decoded event, as the folds see it."""
+
+    seq: int
+    kind: EventKind
+    rollout_id: str
+    model_call_id: str
+    stream_version: int
+    staging_key: str | None
+    body: Any
+
+
+@dataclass(frozen=True)
+class CallState:
+    """One row of the ``calls`` projection."""
+
+    rollout_id: str
+    model_call_id: str
+    stream_version: int
+    state: str
+    parent_call_id: str | None = None
+    mode: str | None = None
+    prev_len: int | None = None
+    cum_len: int | None = None
+    generated_tokens: int = 0
+    chain_hash: str | None = None
+    cumulative_hash: str | None = None
+    continues_rollout_id: str | None = None
+    continues_model_call_id: str | None = None
+    admitted_version: int | None = None
+    spans: tuple[Span, ...] = field(default=())
+    last_seq: int = 0
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min((s[2] for s in self.spans), default=None)
+
+    @property
+    def newest_version(self) -> int | None:
+        return max((s[2] for s in self.spans), default=None)
+
+    def to_row(self) -> dict[str, Any]:
+        oldest, newest = self.oldest_version, self.newest_version
+        return {
+            "rollout_id": self.rollout_id,
+            "model_call_id": self.model_call_id,
+            "stream_version": self.stream_version,
+            "state": self.state,
+            "parent_call_id": self.parent_call_id,
+            "mode": self.mode,
+            "prev_len": self.prev_len,
+            "cum_len": self.cum_len,
+            "generated_tokens": self.generated_tokens,
+            "chain_hash": self.chain_hash,
+            "cumulative_hash": self.cumulative_hash,
+            "continues_rollout_id": self.continues_rollout_id,
+            "continues_model_call_id": self.continues_model_call_id,
+            "admitted_version": None if self.admitted_version is None else version_key(self.admitted_version),
+            "oldest_version": None if oldest is None else version_key(oldest),
+            "newest_version": None if newest is None else version_key(newest),
+            "version_spans": _SPANS_ENCODER.encode(list(self.spans)),
+            "last_seq": self.last_seq,
+        }
+
+    @classmethod
+    def from_row(cls, row: Any) -> CallState:
+        values = dict(row._mapping) if hasattr(row, "_mapping") else dict(row)
+        admitted = values["admitted_version"]
+        return cls(
+            rollout_id=values["rollout_id"],
+            model_call_id=values["model_call_id"],
+            stream_version=values["stream_version"],
+            state=values["state"],
+            parent_call_id=values["parent_call_id"],
+            mode=values["mode"],
+            prev_len=values["prev_len"],
+            cum_len=values["cum_len"],
+            generated_tokens=values["generated_tokens"],
+            chain_hash=values["chain_hash"],
+            cumulative_hash=values["cumulative_hash"],
+            continues_rollout_id=values["continues_rollout_id"],
+            continues_model_call_id=values["continues_model_call_id"],
+            admitted_version=None if admitted is None else int(admitted),
+            spans=tuple(_SPANS_DECODER.decode(bytes(values["version_spans"]))),
+            last_seq=values["last_seq"],
+        )
+
+
+@dataclass(frozen=True)
+class KeyState:
+    """One row of the ``staged_keys`` projection."""
+
+    event_seq: int
+    rollout_id: str
+    model_call_id: str
+    digest: str
+
+
+TERMINAL_STATES = frozenset({"completed", "failed"})
+
+
+def affects_call(kind: EventKind) -> bool:
+    return kind is not EventKind.CUT_RECEIPT
+
+
+def fold_call(current: CallState | None, event: Event) -> CallState:
+    """The calls row after ``event`` (which belongs to that call's stream)."""
+    base = current or CallState(event.rollout_id, event.model_call_id, 0, "admitted")
+    base = replace(base, stream_version=event.stream_version, last_seq=event.seq)
+    body = event.body
+    if event.kind is EventKind.CALL_ADMITTED:
+        assert isinstance(body, AdmissionBody)
+        continuation = body.continues
+        return replace(
+            base,
+            state="admitted",
+            parent_call_id=body.parent_call_id,
+            mode=body.mode,
+            prev_len=body.prev_len,
+            continues_rollout_id=continuation[0] if continuation else None,
+            continues_model_call_id=continuation[1] if continuation else None,
+            admitted_version=body.weight_version,
+            spans=tuple(body.restored_spans),
+            generated_tokens=_generated(body.restored_spans),
+        )
+    if event.kind in (EventKind.PREFIX_STAGED, EventKind.CALL_COMPLETED):
+        assert isinstance(body, RecordBody)
+        state = "completed" if event.kind is EventKind.CALL_COMPLETED else _live(base.state, "staging")
+        return replace(
+            base,
+            state=state,
+            parent_call_id=body.parent_call_id,
+            mode=body.mode,
+            prev_len=body.prev_len,
+            cum_len=body.cum_len,
+            chain_hash=body.chain_hash,
+            cumulative_hash=body.cumulative_hash,
+            spans=tuple(body.spans),
+            generated_tokens=_generated(body.spans),
+        )
+    if event.kind is EventKind.CHUNK_STAGED:
+        assert isinstance(body, RecordBody)
+        spans = merge_spans([*base.spans, *body.spans])
+        return replace(
+            base,
+            state=_live(base.state, "staging"),
+            cum_len=(base.cum_len or body.prev_len) + body.delta_len,
+            spans=spans,
+            generated_tokens=_generated(spans),
+        )
+    if event.kind is EventKind.CALL_FAILED:
+        return replace(base, state="failed")
+    return base  # keys cleared: only the stream position moves
+
+
+def _live(current: str, new: str) -> str:
+    return current if current in TERMINAL_STATES else new
+
+
+def _generated(spans: Any) -> int:
+    return sum(end - start for start, end, _ in spans)
+
+
+def fold_keys(event: Event) -> tuple[dict[str, KeyState], list[str]]:
+    """Keys the event adds, and keys it withdraws."""
+    if event.kind in (EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED):
+        assert event.staging_key is not None
+        body = event.body
+        return {event.staging_key: KeyState(event.seq, event.rollout_id, event.model_call_id, body.digest)}, []
+    if event.kind is EventKind.KEYS_CLEARED:
+        assert isinstance(event.body, KeysClearedBody)
+        return {}, list(event.body.staging_keys)
+    return {}, []
+
+
+def fold_receipt(event: Event) -> tuple[tuple[str, str], int] | None:
+    if event.kind is EventKind.CUT_RECEIPT:
+        assert isinstance(event.body, CutReceiptBody)
+        return (event.body.checkpoint_id, event.body.inventory_digest), event.seq
+    return None
+
+
+def merge_spans(spans: list[Span]) -> tuple[Span, ...]:
+    """Join adjacent spans of the same version."""
+    merged: list[Span] = []
+    for start, end, version in spans:
+        if merged and merged[-1][1] == start and merged[-1][2] == version:
+            merged[-1] = (merged[-1][0], end, version)
+        else:
+            merged.append((start, end, version))
+    return tuple(merged)
+
+
+def generated_spans(mask: FloatColumn, version: int, offset: int = 0) -> list[Span]:
+    """One span per contiguous run of generated (mask 1.0) positions."""
+    generated = np.concatenate(([False], mask.array == 1.0, [False]))
+    edges = np.flatnonzero(generated[1:] != generated[:-1])
+    return [(offset + int(a), offset + int(b), version) for a, b in zip(edges[::2], edges[1::2], strict=True)]

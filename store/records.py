@@ -1,0 +1,730 @@
+"""Wire records (wire-contract section 3) as msgspec Structs.
+
+JSON uses Gym's field names.  Every record refuses unknown fields, wrong types (a bool is
+not an int, an int is not a float), NaN and infinity, and every cross-field rule, with an
+``InvalidRecordError`` naming the failed rule.  A staged record verifies its digest on
+construction and on decoding; ``StagedCallRecord.from_components`` builds a local record
+computing its digests exactly once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgspec
+
+from store import digest as _digest
+from store.columns import FloatColumn, TokenIds
+from store.digest import EMPTY_EXTRAS_DIGEST, STAGING_SCHEMA_VERSION, PackedColumns
+from store.errors import DigestMismatchError, InvalidRecordError
+
+CaptureMode = Literal["text", "token_in"]
+AdmissionMode = Literal["text", "token_in", "candidate"]
+SchemaVersion = Literal[2, 3]
+FinishReason = Literal["stop", "length"]
+
+# --- field checks shared by every record ------------------------------------------------
+
+
+def _fail(record: str, message: str) -> InvalidRecordError:
+    return InvalidRecordError(f"{record}: {message}")
+
+
+def _identifier(record: str, name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise _fail(record, f"{name} must be a non-empty string, got {value!r}")
+
+
+def _optional_identifier(record: str, name: str, value: Any) -> None:
+    if value is not None:
+        _identifier(record, name, value)
+
+
+def _non_negative(record: str, name: str, value: Any) -> None:
+    if type(value) is not int or value < 0:
+        raise _fail(record, f"{name} must be a non-negative int (bools and floats are refused), got {value!r}")
+
+
+def _positive(record: str, name: str, value: Any) -> None:
+    if type(value) is not int or value < 1:
+        raise _fail(record, f"{name} must be a positive int, got {value!r}")
+
+
+def _digest_hex(record: str, name: str, value: Any) -> None:
+    if not _digest.is_digest_hex(value):
+        raise _fail(record, f"{name} must be 64 lowercase hex characters, got {value!r}")
+
+
+def _optional_digest_hex(record: str, name: str, value: Any) -> None:
+    if value is not None:
+        _digest_hex(record, name, value)
+
+
+def _strict_float(record: str, name: str, value: Any, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if type(value) is not float or not math.isfinite(value):
+        raise _fail(record, f"{name} must be a finite float (an int is refused), got {value!r}")
+
+
+def _literal(record: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed or type(value) is bool:
+        raise _fail(record, f"{name} must be one of {allowed!r}, got {value!r}")
+
+
+def _schema(record: str, value: Any) -> None:
+    if type(value) is not int or value not in _digest.SUPPORTED_SCHEMA_VERSIONS:
+        raise _fail(record, f"unsupported schema_version {value!r}; this store reads schemas 2 and 3")
+
+
+def _versions(record: str, struct: Any) -> None:
+    _schema(record, struct.schema_version)
+    if type(struct.digest_version) is not int or struct.digest_version != _digest.STAGING_DIGEST_VERSION:
+        raise _fail(record, f"unsupported digest_version {struct.digest_version!r}; must be 2")
+    if type(struct.extras_digest_version) is not int or struct.extras_digest_version != _digest.EXTRAS_DIGEST_VERSION:
+        raise _fail(record, f"unsupported extras_digest_version {struct.extras_digest_version!r}; must be 1")
+
+
+def _lineage(record: str, parent_call_id: Any, prev_len: int, mode: Any | None) -> None:
+    if parent_call_id is None:
+        if prev_len != 0:
+            raise _fail(record, "a root (no parent_call_id) requires prev_len == 0")
+        if mode is not None and mode != "text":
+            raise _fail(record, "a root (no parent_call_id) must be text mode")
+    else:
+        if prev_len <= 0:
+            raise _fail(record, "a child (parent_call_id set) requires prev_len > 0")
+        if mode is not None and mode != "token_in":
+            raise _fail(record, "a child (parent_call_id set) must be token_in mode")
+
+
+def _unique(record: str, name: str, values: Sequence[str]) -> None:
+    for value in values:
+        _identifier(record, f"{name} entry", value)
+    if len(set(values)) != len(values):
+        raise _fail(record, f"{name} must be unique")
+
+
+class _Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every wire record: carries the schema version."""
+
+    schema_version: SchemaVersion = STAGING_SCHEMA_VERSION
+
+
+# --- admission and continuation (3.2, 3.3) ----------------------------------------------
+
+
+class GenerationCutContinuation(_Wire, frozen=True, kw_only=True):
+    """What a replacement call continues: the durable prefix of a cut call (3.3, union flavor)."""
+
+    source_capture_key: str
+    source_model_call_id: str
+    staging_keys: tuple[str, ...]
+    generation_token_count: int
+    digest: str
+    effective_output_limit: int
+    terminal_finish_reason: FinishReason | None = None
+    terminal_stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        name = "GenerationCutContinuation"
+        _schema(name, self.schema_version)
+        _identifier(name, "source_capture_key", self.source_capture_key)
+        _identifier(name, "source_model_call_id", self.source_model_call_id)
+        if not self.staging_keys:
+            raise _fail(name, "staging_keys must name at least one key")
+        _unique(name, "staging_keys", self.staging_keys)
+        msgspec.structs.force_setattr(self, "staging_keys", tuple(self.staging_keys))
+        _non_negative(name, "generation_token_count", self.generation_token_count)
+        _digest_hex(name, "digest", self.digest)
+        _positive(name, "effective_output_limit", self.effective_output_limit)
+        _check_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
+
+
+def _check_finish(record: str, finish: Any, stop: Any) -> None:
+    if finish is not None:
+        _literal(record, "terminal_finish_reason", finish, ("stop", "length"))
+    if stop is not None:
+        if type(stop) not in (str, int):
+            raise _fail(record, f"terminal_stop_reason must be a string or int, got {stop!r}")
+        if finish is None:
+            raise _fail(record, "a terminal_stop_reason requires a terminal_finish_reason")
+
+
+class CaptureAdmission(_Wire, frozen=True, kw_only=True):
+    """Gym's admission of one model call (rides the request as ``ng_capture``)."""
+
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None = None
+    prev_len: int = 0
+    mode: AdmissionMode
+    required_prefix_token_ids: Sequence[int] = ()
+    staging_chain: tuple[str, ...] = ()
+    parent_chain_hash: str | None = None
+    generation_cut: GenerationCutContinuation | None = None
+
+    def __post_init__(self) -> None:
+        name = "CaptureAdmission"
+        _schema(name, self.schema_version)
+        _identifier(name, "rollout_id", self.rollout_id)
+        _identifier(name, "model_call_id", self.model_call_id)
+        _optional_identifier(name, "parent_call_id", self.parent_call_id)
+        _non_negative(name, "prev_len", self.prev_len)
+        if self.mode == "candidate":
+            raise _fail(name, "mode 'candidate' (schema-3 replay admissions) is not supported by this store")
+        _literal(name, "mode", self.mode, ("text", "token_in"))
+        prefix = _record_ids(name, "required_prefix_token_ids", self.required_prefix_token_ids)
+        msgspec.structs.force_setattr(self, "required_prefix_token_ids", prefix)
+        for key in self.staging_chain:
+            _identifier(name, "staging_chain entry", key)
+        msgspec.structs.force_setattr(self, "staging_chain", tuple(self.staging_chain))
+        _optional_digest_hex(name, "parent_chain_hash", self.parent_chain_hash)
+        if self.generation_cut is not None and not isinstance(self.generation_cut, GenerationCutContinuation):
+            raise _fail(name, "generation_cut must be a GenerationCutContinuation")
+        if self.mode == "token_in":
+            if self.parent_call_id is None or self.prev_len <= 0:
+                raise _fail(name, "token_in requires a parent_call_id and prev_len > 0")
+            if self.parent_chain_hash is None:
+                raise _fail(name, "token_in requires the parent's chain hash (parent_chain_hash)")
+            if not self.staging_chain and len(prefix) != self.prev_len:
+                raise _fail(name, "required_prefix_token_ids length must equal prev_len without a staging_chain")
+        elif (
+            self.parent_call_id is not None
+            or self.prev_len != 0
+            or len(prefix)
+            or self.staging_chain
+            or self.parent_chain_hash is not None
+        ):
+            raise _fail(
+                name,
+                "a text admission has no parent, prev_len 0, no inline prefix, no staging_chain "
+                "and no parent_chain_hash",
+            )
+
+
+def _record_ids(record: str, name: str, values: Any) -> TokenIds:
+    try:
+        return TokenIds.coerce(values, name)
+    except ValueError as exc:
+        raise _fail(record, str(exc)) from exc
+
+
+# --- staged records (3.4) ------------------------------------------------------------------
+
+# Set by ``from_components`` to the digest it just computed, so construction does not hash again.
+_PREHASHED: contextvars.ContextVar[tuple[str, PackedColumns, bool] | None] = contextvars.ContextVar(
+    "store_prehashed_record", default=None
+)
+
+
+class _DigestWire(_Wire, frozen=True, kw_only=True):
+    digest_version: Literal[2] = 2
+    extras_digest_version: Literal[1] = 1
+
+
+class StagedCallBaseSnapshot(_DigestWire, frozen=True, kw_only=True):
+    """A staged call's exact tokens and their commitments (no extras payload)."""
+
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None = None
+    mode: CaptureMode
+    prev_len: int
+    delta_len: int
+    cum_len: int
+    weight_version: int
+    digest: str
+    token_ids_delta: Sequence[int]
+    token_mask_delta: Sequence[float | int]
+    generation_log_probs_delta: Sequence[float | int]
+    extras_digest: str = EMPTY_EXTRAS_DIGEST
+    chain_hash: str
+    cumulative_hash: str
+
+    _record_name: ClassVar[str] = "StagedCallBaseSnapshot"
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _versions(name, self)
+        _identifier(name, "rollout_id", self.rollout_id)
+        _identifier(name, "model_call_id", self.model_call_id)
+        _optional_identifier(name, "parent_call_id", self.parent_call_id)
+        _literal(name, "mode", self.mode, ("text", "token_in"))
+        for field in ("prev_len", "delta_len", "cum_len", "weight_version"):
+            _non_negative(name, field, getattr(self, field))
+        _digest_hex(name, "digest", self.digest)
+        _digest_hex(name, "extras_digest", self.extras_digest)
+        _digest_hex(name, "chain_hash", self.chain_hash)
+        _digest_hex(name, "cumulative_hash", self.cumulative_hash)
+        _lineage(name, self.parent_call_id, self.prev_len, self.mode)
+        if self.delta_len == 0:
+            raise _fail(name, "delta_len must not be 0")
+        prehashed = _PREHASHED.get()
+        if prehashed is not None:
+            expected, columns, _ = prehashed
+            if expected != self.digest:
+                raise DigestMismatchError(f"{name}: digest does not match the components it was built from")
+        else:
+            try:
+                computed, columns = _digest.staging_digest_and_columns(**self._digest_fields())
+            except (ValueError, TypeError) as exc:
+                raise _fail(name, str(exc)) from exc
+            if computed != self.digest:
+                raise DigestMismatchError(f"{name}: digest does not match the record's fields (computed {computed})")
+        msgspec.structs.force_setattr(self, "token_ids_delta", columns.token_ids)
+        msgspec.structs.force_setattr(self, "token_mask_delta", columns.token_mask)
+        msgspec.structs.force_setattr(self, "generation_log_probs_delta", columns.log_probs)
+        self._check_extras(name)
+
+    def _check_extras(self, name: str) -> None:
+        """The base snapshot does not check an extras payload (it carries none)."""
+
+    def _digest_fields(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "digest_version": self.digest_version,
+            "extras_digest_version": self.extras_digest_version,
+            "rollout_id": self.rollout_id,
+            "model_call_id": self.model_call_id,
+            "parent_call_id": self.parent_call_id,
+            "mode": self.mode,
+            "prev_len": self.prev_len,
+            "delta_len": self.delta_len,
+            "cum_len": self.cum_len,
+            "weight_version": self.weight_version,
+            "token_ids_delta": self.token_ids_delta,
+            "token_mask_delta": self.token_mask_delta,
+            "generation_log_probs_delta": self.generation_log_probs_delta,
+            "extras_digest": self.extras_digest,
+            "chain_hash": self.chain_hash,
+            "cumulative_hash": self.cumulative_hash,
+        }
+
+    @property
+    def staging_key(self) -> str:
+        """The default staging key, ``{rollout_id}/{model_call_id}``."""
+        return default_staging_key(self.rollout_id, self.model_call_id)
+
+    @property
+    def columns(self) -> PackedColumns:
+        """The validated, packed token columns."""
+        return PackedColumns(
+            _as_ids(self.token_ids_delta),
+            _as_floats(self.token_mask_delta),
+            _as_floats(self.generation_log_probs_delta),
+        )
+
+    @property
+    def generated_token_count(self) -> int:
+        """How many positions carry mask 1.0 (generated, not carried prompt)."""
+        return int((_as_floats(self.token_mask_delta).array == 1.0).sum())
+
+
+def _as_ids(value: Sequence[int]) -> TokenIds:
+    assert isinstance(value, TokenIds)  # __post_init__ always stores packed columns
+    return value
+
+
+def _as_floats(value: Sequence[float | int]) -> FloatColumn:
+    assert isinstance(value, FloatColumn)
+    return value
+
+
+def default_staging_key(rollout_id: str, model_call_id: str) -> str:
+    if not rollout_id or not model_call_id:
+        raise InvalidRecordError("a staging key needs a non-empty rollout_id and model_call_id")
+    return f"{rollout_id}/{model_call_id}"
+
+
+R = TypeVar("R", bound="StagedCallRecord")
+
+
+class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
+    """What a worker hands to the sink: the snapshot plus its extras payload."""
+
+    extras: dict[str, Any] | None = None
+
+    def _check_extras(self, name: str) -> None:
+        prehashed = _PREHASHED.get()
+        if prehashed is not None and prehashed[2]:
+            return  # from_components computed extras_digest from this very payload
+        try:
+            computed = _digest.compute_extras_digest(self.extras)
+        except (ValueError, TypeError) as exc:
+            raise _fail(name, f"extras: {exc}") from exc
+        if computed != self.extras_digest:
+            raise DigestMismatchError(f"{name}: extras_digest does not match the extras payload")
+
+    @classmethod
+    def from_components(
+        cls: type[R],
+        *,
+        rollout_id: str,
+        model_call_id: str,
+        parent_call_id: str | None,
+        mode: CaptureMode,
+        prev_len: int,
+        weight_version: int,
+        token_ids_delta: Any,
+        token_mask_delta: Any,
+        generation_log_probs_delta: Any,
+        chain_hash: str,
+        cumulative_hash: str,
+        extras: Mapping[str, Any] | None = None,
+        schema_version: int = STAGING_SCHEMA_VERSION,
+    ) -> R:
+        """Build a local record: extras digest and staged digest are each computed once.
+
+        ``delta_len`` and ``cum_len`` follow from the columns.  Structural checks still run;
+        the digest is not recomputed during construction.
+        """
+        payload = dict(extras) if extras is not None else None
+        try:
+            extras_digest = _digest.compute_extras_digest(payload)
+            delta_len = len(token_ids_delta)
+            digest, columns = _digest.staging_digest_and_columns(
+                schema_version=schema_version,
+                digest_version=_digest.STAGING_DIGEST_VERSION,
+                extras_digest_version=_digest.EXTRAS_DIGEST_VERSION,
+                rollout_id=rollout_id,
+                model_call_id=model_call_id,
+                parent_call_id=parent_call_id,
+                mode=mode,
+                prev_len=prev_len,
+                delta_len=delta_len,
+                cum_len=prev_len + delta_len if type(prev_len) is int else None,
+                weight_version=weight_version,
+                token_ids_delta=token_ids_delta,
+                token_mask_delta=token_mask_delta,
+                generation_log_probs_delta=generation_log_probs_delta,
+                extras_digest=extras_digest,
+                chain_hash=chain_hash,
+                cumulative_hash=cumulative_hash,
+            )
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, InvalidRecordError):
+                raise
+            raise _fail(cls.__name__, str(exc)) from exc
+        with _prehashed(digest, columns, extras_verified=True):
+            return cls(
+                schema_version=schema_version,  # type: ignore[arg-type]
+                rollout_id=rollout_id,
+                model_call_id=model_call_id,
+                parent_call_id=parent_call_id,
+                mode=mode,
+                prev_len=prev_len,
+                delta_len=delta_len,
+                cum_len=prev_len + delta_len,
+                weight_version=weight_version,
+                digest=digest,
+                token_ids_delta=columns.token_ids,
+                token_mask_delta=columns.token_mask,
+                generation_log_probs_delta=columns.log_probs,
+                extras_digest=extras_digest,
+                chain_hash=chain_hash,
+                cumulative_hash=cumulative_hash,
+                extras=payload,
+            )
+
+
+class StagedCallSnapshot(StagedCallRecord, frozen=True, kw_only=True):
+    """What a staging source returns: identical to the record."""
+
+
+@contextmanager
+def _prehashed(digest: str, columns: PackedColumns, *, extras_verified: bool) -> Iterator[None]:
+    token = _PREHASHED.set((digest, columns, extras_verified))
+    try:
+        yield
+    finally:
+        _PREHASHED.reset(token)
+
+
+def trusted_snapshot(cls: type[R], digest: str, columns: PackedColumns, **fields: Any) -> R:
+    """Build a record whose digest the caller just computed from ``columns`` (internal fast path).
+
+    The extras payload, if any, is still checked against ``extras_digest``.
+    """
+    with _prehashed(digest, columns, extras_verified=False):
+        return cls(
+            digest=digest,
+            token_ids_delta=columns.token_ids,
+            token_mask_delta=columns.token_mask,
+            generation_log_probs_delta=columns.log_probs,
+            **fields,
+        )
+
+
+# --- results, coords, ledger rows (3.5 - 3.9) ----------------------------------------------
+
+
+class StageResult(_Wire, frozen=True, kw_only=True):
+    ok: bool
+    staging_key: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        name = "StageResult"
+        _schema(name, self.schema_version)
+        if type(self.ok) is not bool:
+            raise _fail(name, f"ok must be a bool, got {self.ok!r}")
+        _optional_identifier(name, "staging_key", self.staging_key)
+        if self.error is not None and not isinstance(self.error, str):
+            raise _fail(name, "error must be a string or null")
+        if self.ok and self.staging_key is None:
+            raise _fail(name, "ok=true requires a staging_key")
+        if not self.ok and not self.error:
+            raise _fail(name, "ok=false requires an error")
+
+
+Disposition = Literal["staged", "capture_failed"]
+_STAGED_PAYLOAD = ("digest", "extras_digest", "staging_key", "chain_hash", "cumulative_hash")
+
+
+class CommitCoords(_DigestWire, frozen=True, kw_only=True):
+    """Token-free coordinates of a staged (or failed) call (rides the response as ``ng_commit_coords``)."""
+
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: str | None = None
+    prev_len: int
+    delta_len: int
+    cum_len: int
+    weight_version: int
+    disposition: Disposition = "staged"
+    digest: str | None = None
+    extras_digest: str | None = None
+    staging_key: str | None = None
+    chain_hash: str | None = None
+    cumulative_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        name = "CommitCoords"
+        _versions(name, self)
+        _identifier(name, "rollout_id", self.rollout_id)
+        _identifier(name, "model_call_id", self.model_call_id)
+        _optional_identifier(name, "parent_call_id", self.parent_call_id)
+        for field in ("prev_len", "delta_len", "cum_len", "weight_version"):
+            _non_negative(name, field, getattr(self, field))
+        _literal(name, "disposition", self.disposition, ("staged", "capture_failed"))
+        for field in ("digest", "extras_digest", "chain_hash", "cumulative_hash"):
+            _optional_digest_hex(name, field, getattr(self, field))
+        _optional_identifier(name, "staging_key", self.staging_key)
+        _lineage(name, self.parent_call_id, self.prev_len, None)
+        if self.cum_len != self.prev_len + self.delta_len:
+            raise _fail(name, "cum_len must equal prev_len + delta_len")
+        present = [getattr(self, field) is not None for field in _STAGED_PAYLOAD]
+        if self.disposition == "staged":
+            if not all(present):
+                raise _fail(
+                    name, "staged coords require digest, extras_digest, staging_key, chain_hash and cumulative_hash"
+                )
+            if self.delta_len <= 0:
+                raise _fail(name, "staged coords require delta_len > 0")
+        else:
+            if any(present):
+                raise _fail(name, "capture_failed coords cannot carry staged payload")
+            if self.delta_len != 0:
+                raise _fail(name, "capture_failed coords require delta_len == 0")
+
+
+class CallRecord(_DigestWire, frozen=True, kw_only=True):
+    """One token-free ledger or manifest row."""
+
+    capture_key: str | None = None
+    model_call_id: str
+    parent_call_id: str | None = None
+    prev_len: int
+    delta_len: int
+    cum_len: int
+    weight_version: int
+    digest: str
+    extras_digest: str
+    staging_key: str
+    mode: CaptureMode = "token_in"
+    chain_hash: str
+    cumulative_hash: str
+    response_id: str
+    admitted_at: float | int | None = None
+    output_fingerprint: str | None = None
+    continuation_fingerprint: str | None = None
+    fingerprint_version: int = 0
+
+    def __post_init__(self) -> None:
+        name = "CallRecord"
+        _versions(name, self)
+        _optional_identifier(name, "capture_key", self.capture_key)
+        _identifier(name, "model_call_id", self.model_call_id)
+        _optional_identifier(name, "parent_call_id", self.parent_call_id)
+        for field in ("prev_len", "delta_len", "cum_len", "weight_version", "fingerprint_version"):
+            _non_negative(name, field, getattr(self, field))
+        for field in ("digest", "extras_digest", "chain_hash", "cumulative_hash"):
+            _digest_hex(name, field, getattr(self, field))
+        _optional_digest_hex(name, "output_fingerprint", self.output_fingerprint)
+        _optional_digest_hex(name, "continuation_fingerprint", self.continuation_fingerprint)
+        _identifier(name, "staging_key", self.staging_key)
+        _identifier(name, "response_id", self.response_id)
+        _literal(name, "mode", self.mode, ("text", "token_in"))
+        _strict_float(name, "admitted_at", self.admitted_at)
+        if self.delta_len <= 0:
+            raise _fail(name, "delta_len must be > 0")
+        if self.cum_len != self.prev_len + self.delta_len:
+            raise _fail(name, "cum_len must equal prev_len + delta_len")
+        _lineage(name, self.parent_call_id, self.prev_len, self.mode)
+
+
+class CaptureLedgerCommit(_Wire, frozen=True, kw_only=True):
+    rollout_id: str
+    record: CallRecord
+    staging_chain: tuple[str, ...]
+    request_items: list[dict[str, Any]] = []
+    response_items: list[dict[str, Any]] = []
+    parent_manifest: tuple[CallRecord, ...] = ()
+
+    def __post_init__(self) -> None:
+        name = "CaptureLedgerCommit"
+        _schema(name, self.schema_version)
+        _identifier(name, "rollout_id", self.rollout_id)
+        for key in self.staging_chain:
+            _identifier(name, "staging_chain entry", key)
+        manifest = self.parent_manifest
+        if not manifest:
+            return
+        ids = [row.model_call_id for row in manifest]
+        if len(set(ids)) != len(ids) or self.record.model_call_id in ids:
+            raise _fail(name, "parent_manifest has duplicate ids or repeats the record")
+        if any(row.capture_key is None for row in manifest):
+            raise _fail(name, "every parent_manifest row needs a capture_key")
+        if manifest[0].parent_call_id is not None:
+            raise _fail(name, "parent_manifest must start at a root")
+        for previous, row in itertools.pairwise(manifest):
+            if row.parent_call_id != previous.model_call_id or row.prev_len != previous.cum_len:
+                raise _fail(name, "parent_manifest must form one contiguous chain")
+        last = manifest[-1]
+        if self.record.parent_call_id != last.model_call_id or self.record.prev_len != last.cum_len:
+            raise _fail(name, "the last parent_manifest row must be the record's parent, ending at its prev_len")
+
+
+class ManifestFailure(_Wire, frozen=True, kw_only=True):
+    model_call_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _identifier("ManifestFailure", "model_call_id", self.model_call_id)
+        _identifier("ManifestFailure", "reason", self.reason)
+
+
+class RolloutManifest(_Wire, frozen=True, kw_only=True):
+    rollout_id: str
+    records: list[CallRecord] = []
+    failures: list[ManifestFailure] = []
+
+    def __post_init__(self) -> None:
+        _identifier("RolloutManifest", "rollout_id", self.rollout_id)
+
+
+class RolloutRemoval(_Wire, frozen=True, kw_only=True):
+    removed: list[str] = []
+    absent: list[str] = []
+
+    def __post_init__(self) -> None:
+        for value in [*self.removed, *self.absent]:
+            _identifier("RolloutRemoval", "rollout id", value)
+
+
+TerminalSelection = Literal["declared", "response_id", "content", "heuristic"]
+
+
+class RolloutReceipt(_DigestWire, frozen=True, kw_only=True):
+    rollout_id: str
+    reward: float | int | None = None
+    terminal_model_call_id: str | None = None
+    manifest: list[CallRecord] = []
+    capture_poisoned: bool = False
+    failure_reason: str | None = None
+    terminal_selection: TerminalSelection | None = None
+    terminal_attribution_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        name = "RolloutReceipt"
+        _versions(name, self)
+        _identifier(name, "rollout_id", self.rollout_id)
+        _strict_float(name, "reward", self.reward)
+        _optional_identifier(name, "terminal_model_call_id", self.terminal_model_call_id)
+        if type(self.capture_poisoned) is not bool:
+            raise _fail(name, "capture_poisoned must be a bool")
+        if self.terminal_selection is not None:
+            _literal(
+                name, "terminal_selection", self.terminal_selection, ("declared", "response_id", "content", "heuristic")
+            )
+        ids = [row.model_call_id for row in self.manifest]
+        if len(set(ids)) != len(ids):
+            raise _fail(name, "manifest model_call_ids must be unique")
+        if self.terminal_model_call_id is not None and self.terminal_model_call_id not in ids:
+            raise _fail(name, "the terminal call is absent from the manifest")
+        if not self.capture_poisoned:
+            if self.failure_reason is not None:
+                raise _fail(name, "an unpoisoned receipt cannot carry a failure_reason")
+            if self.terminal_model_call_id is None or self.terminal_selection is None:
+                raise _fail(name, "an unpoisoned receipt must name its terminal call and selection method")
+        if self.terminal_selection is None and (self.terminal_model_call_id is not None or self.failure_reason is None):
+            raise _fail(name, "a receipt without a selection needs a null terminal and a failure_reason")
+
+
+# --- codecs -------------------------------------------------------------------------------
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def _enc_hook(value: Any) -> Any:
+    if isinstance(value, (TokenIds, FloatColumn)):
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+_JSON_ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
+_MSGPACK_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_JSON_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+_MSGPACK_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def to_json(record: msgspec.Struct) -> bytes:
+    """Encode a record as JSON with Gym's field names."""
+    return _JSON_ENCODER.encode(record)
+
+
+def to_msgpack(record: msgspec.Struct) -> bytes:
+    return _MSGPACK_ENCODER.encode(record)
+
+
+def from_json(data: bytes | str, record_type: type[T]) -> T:
+    """Decode and fully validate a record (a staged record's digest is verified)."""
+    decoder = _JSON_DECODERS.get(record_type)
+    if decoder is None:
+        decoder = _JSON_DECODERS[record_type] = msgspec.json.Decoder(record_type)
+    return _decode(decoder, data, record_type)
+
+
+def from_msgpack(data: bytes, record_type: type[T]) -> T:
+    decoder = _MSGPACK_DECODERS.get(record_type)
+    if decoder is None:
+        decoder = _MSGPACK_DECODERS[record_type] = msgspec.msgpack.Decoder(record_type)
+    return _decode(decoder, data, record_type)
+
+
+def _decode(decoder: Any, data: Any, record_type: type[T]) -> T:
+    try:
+        return decoder.decode(data)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, InvalidRecordError):
+            raise type(cause)(f"{cause} (decoding {record_type.__name__})") from exc
+        raise InvalidRecordError(f"{record_type.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRecordError(f"{record_type.__name__}: malformed input: {exc}") from exc

@@ -1,0 +1,99 @@
+"""The tables (SQLAlchemy Core, portable types only): the event log and its projections.
+
+Policy versions are u64 on the wire; projections keep them as zero-padded 20-digit strings
+(``version_key``) so they stay exact and ordered on every backend.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    UniqueConstraint,
+)
+
+# The alembic revision this code reads and writes; tests check it is the migrations' head.
+SCHEMA_REVISION = "0001"
+
+metadata = MetaData()
+
+# SQLite only aliases the rowid for INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+_SEQ = BigInteger().with_variant(Integer(), "sqlite")
+
+events = Table(
+    "events",
+    metadata,
+    Column("seq", _SEQ, primary_key=True, autoincrement=True),
+    Column("rollout_id", String, nullable=False),
+    Column("model_call_id", String, nullable=False),
+    Column("stream_version", Integer, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("staging_key", String, nullable=True),
+    Column("writer_pid", Integer, nullable=False),
+    Column("recorded_at", Float, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("token_ids", LargeBinary, nullable=True),
+    Column("token_mask", LargeBinary, nullable=True),
+    Column("log_probs", LargeBinary, nullable=True),
+    Column("checksum", LargeBinary, nullable=False),
+    UniqueConstraint("rollout_id", "model_call_id", "stream_version", name="uq_events_stream_version"),
+)
+
+staged_keys = Table(
+    "staged_keys",
+    metadata,
+    Column("staging_key", String, primary_key=True),
+    Column("event_seq", BigInteger, nullable=False),
+    Column("rollout_id", String, nullable=False),
+    Column("model_call_id", String, nullable=False),
+    Column("digest", String(64), nullable=False),
+)
+
+calls = Table(
+    "calls",
+    metadata,
+    Column("rollout_id", String, nullable=False),
+    Column("model_call_id", String, nullable=False),
+    Column("stream_version", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("parent_call_id", String, nullable=True),
+    Column("mode", String(16), nullable=True),
+    Column("prev_len", BigInteger, nullable=True),
+    Column("cum_len", BigInteger, nullable=True),
+    Column("generated_tokens", BigInteger, nullable=False),
+    Column("chain_hash", String(64), nullable=True),
+    Column("cumulative_hash", String(64), nullable=True),
+    Column("continues_rollout_id", String, nullable=True),
+    Column("continues_model_call_id", String, nullable=True),
+    Column("admitted_version", String(20), nullable=True),
+    Column("oldest_version", String(20), nullable=True),
+    Column("newest_version", String(20), nullable=True),
+    Column("version_spans", LargeBinary, nullable=False),
+    Column("last_seq", BigInteger, nullable=False),
+    PrimaryKeyConstraint("rollout_id", "model_call_id", name="pk_calls"),
+)
+Index("ix_calls_parent", calls.c.rollout_id, calls.c.parent_call_id)
+
+cut_receipts = Table(
+    "cut_receipts",
+    metadata,
+    Column("checkpoint_id", String, nullable=False),
+    Column("inventory_digest", String(64), nullable=False),
+    Column("event_seq", BigInteger, nullable=False),
+    PrimaryKeyConstraint("checkpoint_id", "inventory_digest", name="pk_cut_receipts"),
+)
+
+PROJECTION_TABLES = (staged_keys, calls, cut_receipts)
+
+
+def version_key(version: int) -> str:
+    """An exact, order-preserving text form of a u64 policy version."""
+    return f"{version:020d}"

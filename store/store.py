@@ -1,0 +1,225 @@
+"""``Store``: the staging sink and source over the event log, and ``open_store``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+
+from store.engine import create_store_engine, migrate, resolve_url
+from store.errors import InvalidRecordError, StoreClosedError
+from store.events import (
+    AdmissionBody,
+    CutReceiptBody,
+    EventKind,
+    FailureBody,
+    KeysClearedBody,
+    RecordBody,
+    Span,
+)
+from store.log import EventLog, NewEvent, WriteTransaction
+from store.projections import RECEIPT_STREAM, generated_spans
+from store.queries import CallInfo, Reader, VersionSpan
+from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
+from store.replay import ReplayReport, replay
+
+_RECORD_KINDS = (EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED)
+
+
+class Store:
+    """A durable token staging store (use ``open_store``).  Thread-safe; one per process."""
+
+    def __init__(self, url_or_path: str | os.PathLike[str], *, durability: str = "full") -> None:
+        self._url = resolve_url(url_or_path)
+        self._durability = durability
+        self._lock = threading.Lock()
+        self._closed = False
+        self._connect()
+        migrate(self._engine, self._backend)
+
+    def _connect(self) -> None:
+        self._engine, self._backend = create_store_engine(self._url, self._durability)
+        self._log = EventLog(self._engine, self._backend)
+        self._reader = Reader(self._engine)
+        self._pid = os.getpid()
+
+    def _ready(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this store was closed")
+        if self._pid != os.getpid():
+            # A forked child must not share the parent's connections.
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._engine.dispose(close=False)
+                    self._connect()
+
+    @property
+    def url(self) -> str:
+        """The database URL (password hidden)."""
+        return self._url.render_as_string(hide_password=True)
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    # --- the staging sink and source -------------------------------------------------------
+
+    def stage(
+        self,
+        record: StagedCallRecord,
+        *,
+        staging_key: str | None = None,
+        kind: EventKind = EventKind.CALL_COMPLETED,
+        spans: Sequence[Span] | None = None,
+    ) -> StageResult:
+        """Stage ``record`` durably; returns only after the commit.
+
+        Re-staging an identical record under its key succeeds and writes nothing; a
+        different record under a used key is refused (``ok=False``) and writes nothing.
+        ``kind`` and ``spans`` let the capture mark cut prefixes and chunks; the default
+        is a call's terminal record, its generated tokens produced by its weight version.
+        """
+        self._ready()
+        if not isinstance(record, StagedCallRecord):
+            raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
+        key = record.staging_key if staging_key is None else staging_key
+        if not isinstance(key, str) or not key:
+            raise InvalidRecordError(f"staging_key must be a non-empty string, got {key!r}")
+        if kind not in _RECORD_KINDS:
+            raise InvalidRecordError(f"stage() kind must be one of {[k.value for k in _RECORD_KINDS]}, got {kind!r}")
+        columns = record.columns
+        body = RecordBody(
+            schema_version=record.schema_version,
+            rollout_id=record.rollout_id,
+            model_call_id=record.model_call_id,
+            parent_call_id=record.parent_call_id,
+            mode=record.mode,
+            prev_len=record.prev_len,
+            delta_len=record.delta_len,
+            cum_len=record.cum_len,
+            weight_version=record.weight_version,
+            digest=record.digest,
+            extras_digest=record.extras_digest,
+            chain_hash=record.chain_hash,
+            cumulative_hash=record.cumulative_hash,
+            extras=record.extras,
+            spans=list(spans) if spans is not None else generated_spans(columns.token_mask, record.weight_version),
+        )
+        event = NewEvent(kind, record.rollout_id, record.model_call_id, body, key, columns)
+        return self._log.write(lambda tx: _stage(tx, event, record.digest))
+
+    def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
+        """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent."""
+        self._ready()
+        if isinstance(keys, str):
+            raise InvalidRecordError("fetch() takes a list of staging keys, not a single string")
+        return self._reader.fetch(list(keys))
+
+    # --- projections ------------------------------------------------------------------------
+
+    def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
+        """The calls projection for one call (lineage, state, policy versions), or None."""
+        self._ready()
+        return self._reader.call(rollout_id, model_call_id)
+
+    def calls(self, rollout_id: str | None = None) -> list[CallInfo]:
+        """Every call (of one rollout, when given), in the order they were last written."""
+        self._ready()
+        return self._reader.calls(rollout_id)
+
+    def version_spans(self, rollout_id: str, model_call_id: str) -> tuple[VersionSpan, ...]:
+        """Which delta positions of the call each policy version generated."""
+        info = self.call(rollout_id, model_call_id)
+        return () if info is None else info.version_spans
+
+    def replay(self, *, repair: bool = False) -> ReplayReport:
+        """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""
+        self._ready()
+        return replay(self._engine, self._backend, repair=repair)
+
+    # --- events the worker capture appends ----------------------------------------------------
+
+    def record_admission(self, rollout_id: str, model_call_id: str, body: AdmissionBody) -> None:
+        self._ready()
+        self._log.write(lambda tx: tx.append(NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)))
+
+    def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        self._ready()
+        body = FailureBody(reason=reason)
+        self._log.write(lambda tx: tx.append(NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)))
+
+    def clear_keys(self, rollout_id: str, model_call_id: str, keys: Sequence[str], reason: str) -> None:
+        """Withdraw staged keys of one call (a rolled-back cut, or chunks made obsolete)."""
+        self._ready()
+        if not keys:
+            return
+        body = KeysClearedBody(staging_keys=list(keys), reason=reason)
+        self._log.write(lambda tx: tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, model_call_id, body)))
+
+    def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
+        """The receipt (JSON) already returned for this inventory, if any."""
+        self._ready()
+        return self._reader.cut_receipt(checkpoint_id, inventory_digest)
+
+    def record_cut_receipt(self, checkpoint_id: str, inventory_digest: str, receipt: bytes) -> bytes:
+        """Keep the receipt; if another worker recorded one first, that one is returned."""
+        self._ready()
+        body = CutReceiptBody(checkpoint_id=checkpoint_id, inventory_digest=inventory_digest, receipt=receipt)
+
+        def work(tx: WriteTransaction) -> bytes:
+            if tx.receipt_seq(checkpoint_id, inventory_digest) is not None:
+                return b""
+            tx.append(NewEvent(EventKind.CUT_RECEIPT, RECEIPT_STREAM, checkpoint_id, body))
+            return receipt
+
+        stored = self._log.write(work)
+        return stored or (self.cut_receipt(checkpoint_id, inventory_digest) or receipt)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._log.close()
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, durability={self._durability!r})"
+
+
+def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
+    assert event.staging_key is not None
+    existing = tx.key(event.staging_key)
+    if existing is not None:
+        same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)
+        if same_call and existing.digest == digest:
+            return StageResult(ok=True, staging_key=event.staging_key)
+        return StageResult(
+            ok=False,
+            error=(
+                f"staging key {event.staging_key!r} already holds a different record "
+                f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
+            ),
+        )
+    tx.append(event)
+    return StageResult(ok=True, staging_key=event.staging_key)
+
+
+def open_store(url_or_path: str | os.PathLike[str], *, durability: str = "full") -> Store:
+    """Open (creating and migrating if needed) a store.
+
+    A plain path is a SQLite file in WAL mode; ``postgresql://...`` uses PostgreSQL.
+    ``durability="full"`` (default) makes every acknowledged stage survive power loss;
+    ``"normal"`` may lose the last commits on power loss (never on a process crash).
+    """
+    return Store(url_or_path, durability=durability)
