@@ -1,0 +1,28 @@
+# Two commands for a newcomer: `make demo` (set up, then run the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/staging-store demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check store migrations tests tools
+	$(VENV)/bin/mypy
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) tools/bench_records.py
+	$(PY) tools/bench_staging.py
+	$(PY) tools/bench_bytes.py
+
+clean:
+	rm -rf $(VENV) demo-store build *.egg-info
