@@ -55,7 +55,9 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     with open_store(path) as store:
         staged: list[StagedCallRecord] = []
         for rollout in range(args.rollouts):
-            for record in _synthetic_rollout(rng, f"demo-{args.seed}-{rollout}", args.calls, weight_version=rollout % 3):
+            for record in _synthetic_rollout(
+                rng, f"demo-{args.seed}-{rollout}", args.calls, weight_version=rollout % 3
+            ):
                 result = store.stage(record)
                 if not result.ok:
                     raise StoreError(f"staging {record.staging_key} failed: {result.error}")

@@ -27,6 +27,10 @@ class DigestMismatchError(InvalidRecordError):
     """A record's supplied digest does not match its fields."""
 
 
+class StagingRefusedError(StoreError):
+    """An all-or-nothing staging batch was refused: a key already holds a different record."""
+
+
 class ConfigurationError(StoreError, ValueError):
     """``open_store`` was given an unusable URL, path or option."""
 
@@ -64,3 +68,11 @@ class StreamingUnsupportedError(CaptureError):
 
 class GenerationCutError(CaptureError):
     """A generation cut could not be served, or a continuation could not be resolved."""
+
+
+class AdmissionTypeError(CaptureError, TypeError):
+    """``begin_call`` needs a typed ``CaptureAdmission`` (Gym raises ``TypeError`` too)."""
+
+
+class CaptureDataError(CaptureError, ValueError):
+    """A prompt or engine output does not fit its call; completion turns it into failed coords."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 from store.engine import create_store_engine, migrate, resolve_url
-from store.errors import InvalidRecordError, StoreClosedError
+from store.errors import InvalidRecordError, StagingRefusedError, StoreClosedError
 from store.events import (
     AdmissionBody,
     CutReceiptBody,
@@ -25,6 +26,16 @@ from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
 
 _RECORD_KINDS = (EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED)
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One record to stage: under ``staging_key`` (default key if None), as ``kind``, with its version spans."""
+
+    record: StagedCallRecord
+    staging_key: str | None = None
+    kind: EventKind = EventKind.CALL_COMPLETED
+    spans: Sequence[Span] | None = None
 
 
 class Store:
@@ -81,14 +92,55 @@ class Store:
         is a call's terminal record, its generated tokens produced by its weight version.
         """
         self._ready()
+        event = self._record_event(StageEntry(record, staging_key, kind, spans))
+        return self._log.write(lambda tx: _stage(tx, event, record.digest))
+
+    def stage_all(
+        self, entries: Sequence[StageEntry], *, cut_receipt: tuple[str, str, bytes] | None = None
+    ) -> list[StageResult]:
+        """Stage several records, and optionally a cut receipt, in one transaction: all or nothing.
+
+        Raises ``StagingRefusedError`` (nothing written) if any key holds a different record.
+        Used by generation cuts, whose acknowledgements must all hold before any is sealed.
+        """
+        self._ready()
+        events = [self._record_event(entry) for entry in entries]
+        receipt_event = None
+        if cut_receipt is not None:
+            checkpoint_id, inventory_digest, receipt = cut_receipt
+            receipt_body = CutReceiptBody(
+                checkpoint_id=checkpoint_id, inventory_digest=inventory_digest, receipt=receipt
+            )
+            receipt_event = NewEvent(EventKind.CUT_RECEIPT, RECEIPT_STREAM, checkpoint_id, receipt_body)
+
+        def work(tx: WriteTransaction) -> list[StageResult]:
+            results = []
+            for event, entry in zip(events, entries, strict=True):
+                result = _stage(tx, event, entry.record.digest)
+                if not result.ok:
+                    raise StagingRefusedError(result.error or "refused")
+                results.append(result)
+            if receipt_event is not None:
+                body = receipt_event.body
+                assert isinstance(body, CutReceiptBody)
+                if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None:
+                    tx.append(receipt_event)
+            return results
+
+        return self._log.write(work)
+
+    def _record_event(self, entry: StageEntry) -> NewEvent:
+        record = entry.record
         if not isinstance(record, StagedCallRecord):
             raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
-        key = record.staging_key if staging_key is None else staging_key
+        key = record.staging_key if entry.staging_key is None else entry.staging_key
         if not isinstance(key, str) or not key:
             raise InvalidRecordError(f"staging_key must be a non-empty string, got {key!r}")
-        if kind not in _RECORD_KINDS:
-            raise InvalidRecordError(f"stage() kind must be one of {[k.value for k in _RECORD_KINDS]}, got {kind!r}")
+        if entry.kind not in _RECORD_KINDS:
+            kinds = [k.value for k in _RECORD_KINDS]
+            raise InvalidRecordError(f"stage() kind must be one of {kinds}, got {entry.kind!r}")
         columns = record.columns
+        spans = entry.spans
         body = RecordBody(
             schema_version=record.schema_version,
             rollout_id=record.rollout_id,
@@ -106,8 +158,7 @@ class Store:
             extras=record.extras,
             spans=list(spans) if spans is not None else generated_spans(columns.token_mask, record.weight_version),
         )
-        event = NewEvent(kind, record.rollout_id, record.model_call_id, body, key, columns)
-        return self._log.write(lambda tx: _stage(tx, event, record.digest))
+        return NewEvent(entry.kind, record.rollout_id, record.model_call_id, body, key, columns)
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
         """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent."""

@@ -1,0 +1,213 @@
+"""Generation-cut wire records (wire-contract 5.2): inventory, acknowledgements, receipt."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from store.records import (
+    FinishReason,
+    _check_finish,
+    _digest_hex,
+    _fail,
+    _identifier,
+    _literal,
+    _non_negative,
+    _positive,
+    _strict_float,
+    _unique,
+)
+
+_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+GENERATION_CUT_KEY_PREFIX = "__generation_cut__"
+
+
+def capture_key(rollout_id: str, attempt_index: int) -> str:
+    """The capture key of an attempt: the bare rollout id for attempt 0, else ``{id}-a{n}``."""
+    return rollout_id if attempt_index == 0 else f"{rollout_id}-a{attempt_index}"
+
+
+def chunk_staging_key(checkpoint_id: str, capture: str, model_call_id: str, sequence: int) -> str:
+    return f"{GENERATION_CUT_KEY_PREFIX}/{checkpoint_id}/{capture}/{model_call_id}/{sequence}"
+
+
+class _CutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class GenerationCutPrefix(_CutWire, frozen=True, kw_only=True):
+    """One in-flight call the policy model asks a worker to cut."""
+
+    ticket_id: str
+    rollout_id: str
+    attempt_index: int
+    model_call_id: str
+    admitted_at: float
+
+    def __post_init__(self) -> None:
+        name = "GenerationCutPrefix"
+        _identifier(name, "ticket_id", self.ticket_id)
+        if not isinstance(self.rollout_id, str) or not _ROLLOUT_ID.match(self.rollout_id):
+            raise _fail(name, f"rollout_id must match {_ROLLOUT_ID.pattern}, got {self.rollout_id!r}")
+        _non_negative(name, "attempt_index", self.attempt_index)
+        _identifier(name, "model_call_id", self.model_call_id)
+        _strict_float(name, "admitted_at", self.admitted_at, optional=False)
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.rollout_id, self.attempt_index)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ticket_id": self.ticket_id,
+            "rollout_id": self.rollout_id,
+            "attempt_index": self.attempt_index,
+            "model_call_id": self.model_call_id,
+            "admitted_at": self.admitted_at,
+        }
+
+
+def inventory_digest(checkpoint_id: str, server_name: str, prefixes: Iterable[GenerationCutPrefix]) -> str:
+    """SHA-256 of the inventory as JSON: sorted keys, compact separators, ASCII escaping."""
+    payload = {
+        "checkpoint_id": checkpoint_id,
+        "server_name": server_name,
+        "active_prefixes": [prefix.to_dict() for prefix in prefixes],
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+class GenerationCutInventory(_CutWire, frozen=True, kw_only=True):
+    """The in-flight calls of one worker to cut at a checkpoint; build it with ``build``."""
+
+    checkpoint_id: str
+    server_name: str
+    active_prefixes: tuple[GenerationCutPrefix, ...]
+    inventory_digest: str
+
+    def __post_init__(self) -> None:
+        name = "GenerationCutInventory"
+        _identifier(name, "checkpoint_id", self.checkpoint_id)
+        _identifier(name, "server_name", self.server_name)
+        prefixes = tuple(self.active_prefixes)
+        msgspec.structs.force_setattr(self, "active_prefixes", prefixes)
+        tickets = [prefix.ticket_id for prefix in prefixes]
+        if tickets != sorted(tickets):
+            raise _fail(name, "active_prefixes must be sorted by ticket_id")
+        _unique(name, "ticket ids", tickets)
+        _digest_hex(name, "inventory_digest", self.inventory_digest)
+        if inventory_digest(self.checkpoint_id, self.server_name, prefixes) != self.inventory_digest:
+            raise _fail(name, "inventory_digest does not match the inventory")
+
+    @classmethod
+    def build(
+        cls, *, checkpoint_id: str, server_name: str, active_prefixes: Iterable[GenerationCutPrefix]
+    ) -> GenerationCutInventory:
+        """Sort the prefixes by ticket and compute the digest."""
+        prefixes = tuple(sorted(active_prefixes, key=lambda prefix: prefix.ticket_id))
+        return cls(
+            checkpoint_id=checkpoint_id,
+            server_name=server_name,
+            active_prefixes=prefixes,
+            inventory_digest=inventory_digest(checkpoint_id, server_name, prefixes),
+        )
+
+
+AckDisposition = Literal["durable_prefix", "durable_failure"]
+CutKind = Literal["active_prefix", "terminal_completion"]
+
+
+class GenerationCutPrefixAck(_CutWire, frozen=True, kw_only=True):
+    """A worker's answer for one ticket: a durable prefix, or a durable failure."""
+
+    ticket_id: str
+    rollout_id: str
+    attempt_index: int
+    model_call_id: str
+    admitted_at: float
+    disposition: AckDisposition
+    cut_kind: CutKind | None = None
+    frozen_buffer_id: str | None = None
+    staging_keys: tuple[str, ...] = ()
+    prefix_token_count: int | None = None
+    prefix_digest: str | None = None
+    effective_output_limit: int | None = None
+    terminal_finish_reason: FinishReason | None = None
+    terminal_stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        name = "GenerationCutPrefixAck"
+        GenerationCutPrefix.__post_init__(self)  # type: ignore[arg-type]  # same identity rules
+        _literal(name, "disposition", self.disposition, ("durable_prefix", "durable_failure"))
+        msgspec.structs.force_setattr(self, "staging_keys", tuple(self.staging_keys))
+        _unique(name, "staging_keys", self.staging_keys)
+        _check_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
+        payload = (
+            self.cut_kind,
+            self.frozen_buffer_id,
+            self.prefix_token_count,
+            self.prefix_digest,
+            self.effective_output_limit,
+        )
+        if self.disposition == "durable_prefix":
+            if any(value is None for value in payload) or not self.staging_keys:
+                raise _fail(
+                    name, "durable_prefix requires cut_kind, frozen_buffer_id, staging_keys, count, digest, limit"
+                )
+            _literal(name, "cut_kind", self.cut_kind, ("active_prefix", "terminal_completion"))
+            _identifier(name, "frozen_buffer_id", self.frozen_buffer_id)
+            _non_negative(name, "prefix_token_count", self.prefix_token_count)
+            _digest_hex(name, "prefix_digest", self.prefix_digest)
+            _positive(name, "effective_output_limit", self.effective_output_limit)
+        elif any(value is not None for value in payload) or self.staging_keys or self.terminal_finish_reason:
+            raise _fail(name, "durable_failure carries no cut payload")
+
+    def matches(self, prefix: GenerationCutPrefix) -> bool:
+        return (self.rollout_id, self.attempt_index, self.model_call_id, self.admitted_at) == (
+            prefix.rollout_id,
+            prefix.attempt_index,
+            prefix.model_call_id,
+            prefix.admitted_at,
+        )
+
+
+class GenerationCutReceipt(_CutWire, frozen=True, kw_only=True):
+    """A worker's receipt for one inventory."""
+
+    checkpoint_id: str
+    cut_id: str
+    inventory_digest: str
+    inventory: GenerationCutInventory
+    backend_snapshot_id: str
+    prefixes: tuple[GenerationCutPrefixAck, ...]
+
+    def __post_init__(self) -> None:
+        name = "GenerationCutReceipt"
+        for field in ("checkpoint_id", "cut_id", "backend_snapshot_id"):
+            _identifier(name, field, getattr(self, field))
+        _digest_hex(name, "inventory_digest", self.inventory_digest)
+        msgspec.structs.force_setattr(self, "prefixes", tuple(self.prefixes))
+
+    def validate_for(self, inventory: GenerationCutInventory) -> None:
+        """Refuse a receipt that does not answer exactly this inventory."""
+        name = "GenerationCutReceipt"
+        if self.inventory != inventory or self.inventory_digest != inventory.inventory_digest:
+            raise _fail(name, "the receipt is for a different inventory")
+        if self.checkpoint_id != inventory.checkpoint_id:
+            raise _fail(name, "the receipt is for a different checkpoint")
+        tickets = {prefix.ticket_id: prefix for prefix in inventory.active_prefixes}
+        seen: set[str] = set()
+        for ack in self.prefixes:
+            if ack.ticket_id not in tickets or ack.ticket_id in seen:
+                raise _fail(name, f"ticket {ack.ticket_id!r} is unknown or acknowledged twice")
+            seen.add(ack.ticket_id)
+            if not ack.matches(tickets[ack.ticket_id]):
+                raise _fail(name, f"the acknowledgement of ticket {ack.ticket_id!r} does not match its call")
+        if seen != set(tickets):
+            raise _fail(name, "every ticket must be acknowledged exactly once")
