@@ -152,7 +152,8 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         for call in result["calls"]:
             print(
                 f"{call['rollout_id']}/{call['model_call_id']}  parent={call['parent_call_id']}  "
-                f"state={call['state']}  tokens={call['cum_len']}  versions={call['oldest_version']}..{call['newest_version']}"
+                f"state={call['state']}  tokens={call['cum_len']}  "
+                f"versions={call['oldest_version']}..{call['newest_version']}"
             )
 
 
