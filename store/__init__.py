@@ -5,7 +5,16 @@ the tokens of still-decoding calls so a replacement call can continue from a pro
 prefix.  Everything is an event in one append-only log; tables are projections of it.
 """
 
+from store.capture import ActiveCall, CaptureAdapter, Continuation, RolloutTokenCapture
 from store.columns import FloatColumn, TokenIds
+from store.cut_records import (
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    capture_key,
+    chunk_staging_key,
+)
 from store.digest import (
     EMPTY_EXTRAS_DIGEST,
     STAGING_SCHEMA_VERSION,
@@ -17,6 +26,8 @@ from store.digest import (
     hash_token_ids,
 )
 from store.errors import (
+    AdmissionTypeError,
+    CaptureDataError,
     CaptureError,
     ConfigurationError,
     CorruptRecordError,
@@ -26,6 +37,7 @@ from store.errors import (
     GenerationCutError,
     InvalidRecordError,
     MigrationError,
+    StagingRefusedError,
     StorageError,
     StoreClosedError,
     StoreError,
@@ -54,27 +66,34 @@ from store.records import (
     to_msgpack,
 )
 from store.replay import ReplayDifference, ReplayReport
-from store.store import Store, open_store
+from store.store import StageEntry, Store, open_store
 
 __all__ = [
-    "EMPTY_EXTRAS_DIGEST",
-    "STAGING_SCHEMA_VERSION",
-    "SUPPORTED_SCHEMA_VERSIONS",
+    "ActiveCall",
+    "AdmissionTypeError",
     "CallInfo",
     "CallRecord",
+    "CaptureAdapter",
     "CaptureAdmission",
+    "CaptureDataError",
     "CaptureError",
     "CaptureLedgerCommit",
     "CommitCoords",
     "ConfigurationError",
+    "Continuation",
     "CorruptRecordError",
     "DigestMismatchError",
     "DigestTypeError",
     "DigestValueError",
+    "EMPTY_EXTRAS_DIGEST",
     "EventKind",
     "FloatColumn",
     "GenerationCutContinuation",
     "GenerationCutError",
+    "GenerationCutInventory",
+    "GenerationCutPrefix",
+    "GenerationCutPrefixAck",
+    "GenerationCutReceipt",
     "InvalidRecordError",
     "ManifestFailure",
     "MigrationError",
@@ -83,10 +102,15 @@ __all__ = [
     "RolloutManifest",
     "RolloutReceipt",
     "RolloutRemoval",
+    "RolloutTokenCapture",
+    "STAGING_SCHEMA_VERSION",
+    "SUPPORTED_SCHEMA_VERSIONS",
+    "StageEntry",
     "StageResult",
     "StagedCallBaseSnapshot",
     "StagedCallRecord",
     "StagedCallSnapshot",
+    "StagingRefusedError",
     "StorageError",
     "Store",
     "StoreClosedError",
@@ -96,6 +120,8 @@ __all__ = [
     "UnknownKeyError",
     "VersionSpan",
     "build_staging_delta",
+    "capture_key",
+    "chunk_staging_key",
     "compute_chain_hash",
     "compute_extras_digest",
     "compute_staging_digest",

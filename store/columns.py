@@ -21,6 +21,7 @@ from store.errors import DigestValueError
 _U64_MAX = 2**64 - 1
 _LITTLE = sys.byteorder == "little"
 _INT_ARRAY_CODES = frozenset("bBhHiIlLqQ")
+_F32_BE = np.dtype(">f4")
 _FLOAT_ARRAY_CODES = frozenset("fd")
 
 
@@ -129,9 +130,10 @@ class FloatColumn(Sequence[float]):
     __slots__ = ("_f32", "_values")
 
     def __init__(self, values: np.ndarray, f32: np.ndarray) -> None:
-        # Trusted: ``values`` are finite float64, ``f32`` their big-endian binary32 rounding.
+        # Trusted: ``values`` are finite float64, ``f32`` their binary32 rounding.  numpy
+        # operations (concatenate) return native byte order, so normalise to big-endian here.
         self._values = _readonly(values)
-        self._f32 = _readonly(f32)
+        self._f32 = _readonly(f32 if f32.dtype == _F32_BE else f32.astype(_F32_BE))
 
     @classmethod
     def coerce(cls, values: Any, name: str) -> FloatColumn:

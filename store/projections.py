@@ -6,6 +6,7 @@ compared with the live one row for row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -152,7 +153,7 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
             continues_rollout_id=continuation[0] if continuation else None,
             continues_model_call_id=continuation[1] if continuation else None,
             admitted_version=body.weight_version,
-            spans=tuple(body.restored_spans),
+            spans=merge_spans(body.restored_spans),
             generated_tokens=_generated(body.restored_spans),
         )
     if event.kind in (EventKind.PREFIX_STAGED, EventKind.CALL_COMPLETED):
@@ -167,7 +168,7 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
             cum_len=body.cum_len,
             chain_hash=body.chain_hash,
             cumulative_hash=body.cumulative_hash,
-            spans=tuple(body.spans),
+            spans=merge_spans(body.spans),
             generated_tokens=_generated(body.spans),
         )
     if event.kind is EventKind.CHUNK_STAGED:
@@ -212,7 +213,7 @@ def fold_receipt(event: Event) -> tuple[tuple[str, str], int] | None:
     return None
 
 
-def merge_spans(spans: list[Span]) -> tuple[Span, ...]:
+def merge_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
     """Join adjacent spans of the same version."""
     merged: list[Span] = []
     for start, end, version in spans:

@@ -446,7 +446,10 @@ def _prehashed(digest: str, columns: PackedColumns, *, extras_verified: bool) ->
         _PREHASHED.reset(token)
 
 
-def trusted_snapshot(cls: type[R], digest: str, columns: PackedColumns, **fields: Any) -> R:
+S = TypeVar("S", bound=StagedCallBaseSnapshot)
+
+
+def trusted_snapshot(cls: type[S], digest: str, columns: PackedColumns, **fields: Any) -> S:
     """Build a record whose digest the caller just computed from ``columns`` (internal fast path).
 
     The extras payload, if any, is still checked against ``extras_digest``.

@@ -1,0 +1,552 @@
+"""``RolloutTokenCapture``: the worker side of token capture (wire-contract section 4).
+
+Admission (``begin_call``) is validated against the log: a continued call's durable prefix
+is resolved from its staged chunks and proven to extend the replacement's exact parent
+tokens.  Builders produce records through ``StagedCallRecord.from_components`` so each
+locally built record is hashed once; completion stages before it returns coordinates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from store.columns import FloatColumn, TokenIds
+from store.cut_records import GenerationCutInventory, GenerationCutReceipt
+from store.cuts import CutServer, resolve_continuation
+from store.digest import build_staging_delta, compute_chain_hash, hash_token_columns, u64
+from store.errors import (
+    AdmissionTypeError,
+    CaptureDataError,
+    CaptureError,
+    DigestValueError,
+    StreamingUnsupportedError,
+)
+from store.events import AdmissionBody, EventKind, Span
+from store.projections import generated_spans
+from store.records import (
+    CaptureAdmission,
+    CommitCoords,
+    GenerationCutContinuation,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    StageResult,
+    to_json,
+)
+from store.store import Store
+
+log = logging.getLogger("store.capture")
+
+WeightVersionProvider = Callable[[], int]
+
+
+class CaptureAdapter(Protocol):
+    """Engine-specific extraction (vLLM, Megatron, ...)."""
+
+    def enter_prefix(self, request: Any, prefix_ids: list[int]) -> Any: ...
+    def extract_prompt_ids(self, payload: Any) -> Sequence[int]: ...
+    def extract_generation(self, payload: Any) -> tuple[Sequence[int], Sequence[float]]: ...
+    def extract_extras(self, payload: Any) -> Mapping[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """How a replacement call continues a restored cut (wire-contract 5.6, 5.8)."""
+
+    engine_prompt_token_ids: TokenIds
+    restored_token_ids: TokenIds
+    restored_logprobs: FloatColumn
+    generation_token_count: int
+    effective_output_limit: int
+    terminal_finish_reason: str | None
+    terminal_stop_reason: str | int | None
+
+    @property
+    def remaining_output_limit(self) -> int:
+        return max(0, self.effective_output_limit - self.generation_token_count)
+
+    def remaining_limits(self, min_tokens: int = 0) -> tuple[int, int]:
+        """``(max_tokens, min_tokens)`` for the engine: both reduced by the restored count."""
+        return self.remaining_output_limit, max(0, min_tokens - self.generation_token_count)
+
+    @property
+    def is_terminal(self) -> bool:
+        """The restored prefix is the whole answer: the cut had finished, or the limit is reached."""
+        return self.terminal_finish_reason is not None or self.remaining_output_limit == 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.terminal_finish_reason is not None:
+            return self.terminal_finish_reason
+        return "length" if self.remaining_output_limit == 0 else None
+
+
+class ActiveCall:
+    """One admitted call: its admission, stamped version, resolved prefix and restored cut."""
+
+    def __init__(
+        self,
+        admission: CaptureAdmission,
+        weight_version: int,
+        prefix_token_ids: TokenIds,
+        generation_cut: StagedCallBaseSnapshot | None,
+        restored_spans: Sequence[Span],
+    ) -> None:
+        self.admission = admission
+        self.weight_version = weight_version
+        self.prefix_token_ids = prefix_token_ids
+        self.generation_cut = generation_cut
+        self.restored_spans: tuple[Span, ...] = tuple(restored_spans)
+        self._completed = False
+        self._completion_lock = threading.Lock()
+
+    @property
+    def capture_key(self) -> str:
+        return self.admission.rollout_id
+
+    @property
+    def model_call_id(self) -> str:
+        return self.admission.model_call_id
+
+    @property
+    def completed(self) -> bool:
+        return self._completed
+
+    @property
+    def oldest_weight_version(self) -> int:
+        if self.generation_cut is None:
+            return self.weight_version
+        return min(self.generation_cut.weight_version, self.weight_version)
+
+    @property
+    def continuation(self) -> Continuation | None:
+        """For a call that continues a restored cut: its engine prompt and remaining budget."""
+        cut, continuation = self.generation_cut, self.admission.generation_cut
+        if cut is None or continuation is None:
+            return None
+        ids, mask = cut.columns.token_ids, cut.columns.token_mask
+        generated = mask.array == 1.0
+        return Continuation(
+            engine_prompt_token_ids=TokenIds.concat([self.prefix_token_ids, ids]),
+            restored_token_ids=TokenIds(ids.array[generated].copy()),
+            restored_logprobs=FloatColumn.coerce(cut.columns.log_probs.array[generated], "restored log-probs"),
+            generation_token_count=continuation.generation_token_count,
+            effective_output_limit=continuation.effective_output_limit,
+            terminal_finish_reason=continuation.terminal_finish_reason,
+            terminal_stop_reason=continuation.terminal_stop_reason,
+        )
+
+    def claim_completion(self) -> None:
+        """Claim the call's single completion; a second claim is a caller bug."""
+        with self._completion_lock:
+            if self._completed:
+                raise CaptureError(f"call {self.capture_key}/{self.model_call_id} already completed")
+            self._completed = True
+
+    def __repr__(self) -> str:
+        return f"ActiveCall({self.capture_key}/{self.model_call_id}, weight_version={self.weight_version})"
+
+
+class RolloutTokenCapture:
+    """Worker-side capture over a ``Store`` used as staging sink and source."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        weight_version_fn: WeightVersionProvider,
+        adapter: CaptureAdapter | None = None,
+        flush_threshold_tokens: int = 0,
+        flush_interval: float = 0.25,
+        completion_evidence_ttl: float = 3600.0,
+    ) -> None:
+        if not isinstance(store, Store):
+            raise CaptureError(f"store must be a store.Store, got {type(store).__name__}")
+        if not callable(weight_version_fn):
+            raise CaptureError("weight_version_fn must be callable")
+        self.store = store
+        self._weight_version_fn = weight_version_fn
+        self.adapter = adapter
+        self.cuts = CutServer(
+            self,
+            flush_threshold_tokens=flush_threshold_tokens,
+            flush_interval=flush_interval,
+            evidence_ttl=completion_evidence_ttl,
+        )
+
+    # --- admission (4.3 - 4.6) -----------------------------------------------------------------
+
+    def begin_call(
+        self,
+        admission: CaptureAdmission,
+        *,
+        prefix_token_ids: Sequence[int] | None = None,
+        generation_cut: StagedCallBaseSnapshot | None = None,
+        generation_cut_staging_keys: Sequence[str] | None = None,
+        stream: bool = False,
+        weight_version: int | None = None,
+    ) -> ActiveCall:
+        """Admit a call; a continued call's prefix is resolved from the log when not passed.
+
+        Every refusal is a ``CaptureError`` naming the failed check, and writes nothing.
+        """
+        if not isinstance(admission, CaptureAdmission):
+            raise AdmissionTypeError(f"begin_call needs a CaptureAdmission, got {type(admission).__name__}")
+        if stream:
+            raise StreamingUnsupportedError("token capture needs the whole response; stream=True is refused")
+        prefix = resolve_prefix(admission, prefix_token_ids)
+        version = self._stamp(weight_version)
+        continuation = admission.generation_cut
+        restored_spans: list[Span] = []
+        if generation_cut is not None:
+            if continuation is None:
+                raise CaptureError("generation cut not authorized: the admission carries no generation_cut")
+            check_generation_cut(admission, continuation, generation_cut, generation_cut_staging_keys, version)
+            check_parent_tokens(admission, prefix, generation_cut)
+            restored_spans = generated_spans(generation_cut.columns.token_mask, generation_cut.weight_version)
+        elif continuation is not None:
+            resolved = resolve_continuation(self.store, admission, continuation, prefix, version)
+            keys = continuation.staging_keys if generation_cut_staging_keys is None else generation_cut_staging_keys
+            check_generation_cut(admission, continuation, resolved.snapshot, keys, version)
+            # The rebuilt snapshot's chain and cumulative hashes were computed from this very
+            # parent chain hash and prefix, so the parent-token check (4.6) holds by construction.
+            generation_cut, restored_spans = resolved.snapshot, resolved.spans
+        call = ActiveCall(admission, version, prefix, generation_cut, restored_spans)
+        self.store.record_admission(admission.rollout_id, admission.model_call_id, _admission_body(call))
+        return call
+
+    def _stamp(self, explicit: int | None) -> int:
+        version = explicit if explicit is not None else self._weight_version_fn()
+        if type(version) is not int or version < 0:
+            raise CaptureError(f"the weight version must be a non-negative int, got {version!r}")
+        try:
+            u64(version, "weight version")
+        except DigestValueError as exc:
+            raise CaptureError(str(exc)) from exc
+        return version
+
+    # --- builders (4.7, 4.8) ---------------------------------------------------------------------
+
+    def build_prefix_record(
+        self,
+        call: ActiveCall,
+        *,
+        prompt_token_ids: Sequence[int],
+        generated_token_ids: Sequence[int],
+        generated_logprobs: Sequence[float],
+        extras: Mapping[str, Any] | None = None,
+    ) -> StagedCallRecord:
+        """A validated snapshot of a live call, without touching its completion state."""
+        admission = call.admission
+        prompt = _ids(prompt_token_ids, "prompt_token_ids")
+        generated = _ids(generated_token_ids, "generated_token_ids")
+        logprobs = _floats(generated_logprobs, "generated_logprobs")
+        if len(generated) != len(logprobs):
+            raise CaptureDataError("generated token ids and log-probs lengths differ")
+        prev_len = admission.prev_len
+        if admission.mode == "token_in" and not np.array_equal(prompt.array[:prev_len], call.prefix_token_ids.array):
+            raise CaptureDataError("the prompt does not start with the call's verified parent prefix")
+        cut = call.generation_cut
+        if cut is None:
+            columns = build_staging_delta(prompt, generated, logprobs, prev_len)
+            ids, mask, lps = columns.token_ids, columns.token_mask, columns.log_probs
+        else:
+            cut_columns = cut.columns
+            expected = TokenIds.concat([call.prefix_token_ids, cut_columns.token_ids])
+            if expected != prompt:
+                raise CaptureDataError("a continued call's prompt must be exactly its prefix plus the cut tokens")
+            ids = TokenIds.concat([cut_columns.token_ids, generated])
+            mask = FloatColumn.concat([cut_columns.token_mask, FloatColumn.filled(1.0, len(generated))])
+            lps = FloatColumn.concat([cut_columns.log_probs, logprobs])
+        return StagedCallRecord.from_components(
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            mode="token_in" if admission.mode == "token_in" else "text",
+            prev_len=prev_len,
+            weight_version=call.oldest_weight_version,
+            token_ids_delta=ids,
+            token_mask_delta=mask,
+            generation_log_probs_delta=lps,
+            chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
+            cumulative_hash=hash_token_columns(prompt, generated),
+            extras=extras,
+            schema_version=admission.schema_version,
+        )
+
+    def build_generation_chunk_record(
+        self, call: ActiveCall, *, generated_token_ids: Sequence[int], generated_logprobs: Sequence[float]
+    ) -> StagedCallRecord:
+        """Only newly generated tokens, at the call's current version (chunk-local hashes)."""
+        admission = call.admission
+        ids = _ids(generated_token_ids, "generated_token_ids")
+        logprobs = _floats(generated_logprobs, "generated_logprobs")
+        if not len(ids):
+            raise CaptureDataError("a generation chunk needs at least one generated token")
+        if len(ids) != len(logprobs):
+            raise CaptureDataError("generated token ids and log-probs lengths differ")
+        return StagedCallRecord.from_components(
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            mode="token_in" if admission.mode == "token_in" else "text",
+            prev_len=admission.prev_len,
+            weight_version=call.weight_version,
+            token_ids_delta=ids,
+            token_mask_delta=FloatColumn.filled(1.0, len(ids)),
+            generation_log_probs_delta=logprobs,
+            chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
+            cumulative_hash=hash_token_columns(call.prefix_token_ids, ids),
+            schema_version=admission.schema_version,
+        )
+
+    def record_spans(self, call: ActiveCall, record: StagedCallRecord) -> list[Span]:
+        """Which policy version generated which positions of a record built for ``call``."""
+        restored = len(call.generation_cut.token_ids_delta) if call.generation_cut is not None else 0
+        tail = FloatColumn.coerce(record.columns.token_mask.array[restored:], "mask")
+        return [*call.restored_spans, *generated_spans(tail, call.weight_version, offset=restored)]
+
+    # --- completion (4.9 - 4.11) -------------------------------------------------------------------
+
+    def complete_call(
+        self,
+        call: ActiveCall,
+        *,
+        prompt_token_ids: Sequence[int],
+        generated_token_ids: Sequence[int],
+        generated_logprobs: Sequence[float],
+        extras: Mapping[str, Any] | None = None,
+    ) -> CommitCoords:
+        """Build, claim, stage, then return coordinates; data problems give ``capture_failed``."""
+        with self.cuts.terminal_gate(call) as gate:
+            try:
+                record = self.build_prefix_record(
+                    call,
+                    prompt_token_ids=prompt_token_ids,
+                    generated_token_ids=generated_token_ids,
+                    generated_logprobs=generated_logprobs,
+                    extras=extras,
+                )
+            except (TypeError, ValueError, OverflowError) as exc:
+                call.claim_completion()
+                return self._failed(call, f"building the record failed: {exc}")
+            call.claim_completion()
+            try:
+                result = self.store.stage(record, kind=EventKind.CALL_COMPLETED, spans=self.record_spans(call, record))
+            except Exception as exc:  # the sink failed: poison the capture, still serve the response
+                return self._failed(call, f"staging failed: {type(exc).__name__}: {exc}")
+            if not isinstance(result, StageResult) or not result.ok or result.staging_key is None:
+                error = result.error if isinstance(result, StageResult) else repr(result)
+                log.warning("staging %s was refused: %s", record.staging_key, error)
+                return self._failed(call, f"staging was refused: {error}")
+            coords = CommitCoords(
+                schema_version=record.schema_version,
+                rollout_id=record.rollout_id,
+                model_call_id=record.model_call_id,
+                parent_call_id=record.parent_call_id,
+                prev_len=record.prev_len,
+                delta_len=record.delta_len,
+                cum_len=record.cum_len,
+                weight_version=record.weight_version,
+                disposition="staged",
+                digest=record.digest,
+                extras_digest=record.extras_digest,
+                staging_key=result.staging_key,
+                chain_hash=record.chain_hash,
+                cumulative_hash=record.cumulative_hash,
+            )
+            gate.completed(coords, record.generated_token_count)
+            return coords
+
+    def complete_call_from_response(self, call: ActiveCall, payload: Any) -> CommitCoords:
+        """Extract prompt, generation and extras with the adapter, then ``complete_call``."""
+        if self.adapter is None:
+            raise CaptureError("complete_call_from_response needs a CaptureAdapter")
+        try:
+            prompt = self.adapter.extract_prompt_ids(payload)
+            generated, logprobs = self.adapter.extract_generation(payload)
+            extras = self.adapter.extract_extras(payload)
+        except Exception as exc:  # engine output we cannot read poisons the capture only
+            with self.cuts.terminal_gate(call):
+                call.claim_completion()
+                return self._failed(call, f"extracting the response failed: {type(exc).__name__}: {exc}")
+        return self.complete_call(
+            call, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=logprobs, extras=extras
+        )
+
+    def finish_restored_call(self, call: ActiveCall) -> CommitCoords:
+        """Complete a continued call whose restored prefix is the whole answer (5.8)."""
+        continuation = call.continuation
+        if continuation is None or not continuation.is_terminal:
+            raise CaptureError("finish_restored_call needs a continued call whose cut is terminal")
+        return self.complete_call(
+            call,
+            prompt_token_ids=continuation.engine_prompt_token_ids,
+            generated_token_ids=[],
+            generated_logprobs=[],
+        )
+
+    def fail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
+        """Claim the call and return ``capture_failed`` coordinates."""
+        with self.cuts.terminal_gate(call):
+            call.claim_completion()
+            return self._failed(call, reason)
+
+    def _failed(self, call: ActiveCall, reason: str) -> CommitCoords:
+        admission = call.admission
+        log.warning("capture of %s/%s failed: %s", admission.rollout_id, admission.model_call_id, reason)
+        try:
+            self.store.record_failure(admission.rollout_id, admission.model_call_id, reason)
+        except Exception:  # the failure is already carried by the coords; the log is best effort here
+            log.exception("could not record the capture failure of %s", call)
+        return CommitCoords(
+            schema_version=admission.schema_version,
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            prev_len=admission.prev_len,
+            delta_len=0,
+            cum_len=admission.prev_len,
+            weight_version=call.weight_version,
+            disposition="capture_failed",
+        )
+
+    # --- generation cuts (5.3 - 5.8) -----------------------------------------------------------------
+
+    def track(self, call: ActiveCall, *, prompt_token_ids: Sequence[int], effective_output_limit: int | None) -> None:
+        """Register a live call for cuts: its exact engine prompt and resolved output budget."""
+        self.cuts.track(call, _ids(prompt_token_ids, "prompt_token_ids"), effective_output_limit)
+
+    def observe(
+        self,
+        call: ActiveCall,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        *,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        """Append newly decoded tokens of a tracked call."""
+        self.cuts.observe(call, token_ids, logprobs, finish_reason, stop_reason)
+
+    def serve_generation_cut(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
+        """Stage the durable prefix of every named in-flight call; the receipt is kept in the log."""
+        return self.cuts.serve(inventory)
+
+    def flush_due(self) -> int:
+        """Run one periodic flush pass now; returns how many calls were flushed."""
+        return self.cuts.flush_due()
+
+    def close(self) -> None:
+        """Stop the periodic flush thread (the store stays open)."""
+        self.cuts.close()
+
+
+# --- admission checks --------------------------------------------------------------------------
+
+
+def resolve_prefix(admission: CaptureAdmission, given: Sequence[int] | None) -> TokenIds:
+    """Wire-contract 4.4: the exact parent tokens the call continues."""
+    column = None
+    if given is not None:
+        try:
+            column = TokenIds.coerce(given, "prefix_token_ids")
+        except ValueError as exc:
+            raise CaptureError(f"prefix_token_ids must be non-negative ints: {exc}") from exc
+    if admission.mode == "text":
+        if column is not None and len(column):
+            raise CaptureError("a text admission accepts no prefix_token_ids")
+        return TokenIds.coerce([])
+    inline = TokenIds.coerce(admission.required_prefix_token_ids)
+    if column is None:
+        if not len(inline):
+            raise CaptureError(
+                "a staging-chain admission needs the resolved prefix_token_ids (fetch and concatenate its chain)"
+            )
+        return inline
+    if len(column) != admission.prev_len:
+        raise CaptureError(f"prefix_token_ids length {len(column)} does not equal prev_len {admission.prev_len}")
+    if len(inline) and inline != column:
+        raise CaptureError("prefix_token_ids conflict with the admission's inline prefix")
+    return column
+
+
+def check_generation_cut(
+    admission: CaptureAdmission,
+    continuation: GenerationCutContinuation,
+    snapshot: StagedCallBaseSnapshot,
+    staging_keys: Sequence[str] | None,
+    current_version: int,
+) -> None:
+    """Wire-contract 4.5: the snapshot is the continuation's prefix and fits the replacement."""
+    if not isinstance(snapshot, StagedCallBaseSnapshot):
+        raise CaptureError(f"generation_cut must be a StagedCallBaseSnapshot, got {type(snapshot).__name__}")
+    if staging_keys is None or tuple(staging_keys) != continuation.staging_keys:
+        raise CaptureError("generation_cut_staging_keys do not match the continuation's staging_keys")
+    if snapshot.rollout_id != continuation.source_capture_key:
+        raise CaptureError("the cut snapshot's rollout_id is not the continuation's source_capture_key")
+    if snapshot.model_call_id != continuation.source_model_call_id:
+        raise CaptureError("the cut snapshot's model_call_id is not the continuation's source_model_call_id")
+    if snapshot.digest != continuation.digest:
+        raise CaptureError("the cut snapshot's digest does not match the continuation's digest")
+    if (snapshot.parent_call_id, snapshot.prev_len, snapshot.mode) != (
+        admission.parent_call_id,
+        admission.prev_len,
+        admission.mode,
+    ):
+        raise CaptureError("the cut snapshot's lineage (parent, prev_len, mode) does not match the admission")
+    if snapshot.generated_token_count != continuation.generation_token_count:
+        raise CaptureError(
+            f"the cut snapshot has {snapshot.generated_token_count} generated tokens, "
+            f"the continuation claims {continuation.generation_token_count}"
+        )
+    if snapshot.weight_version > current_version:
+        raise CaptureError(
+            f"the cut's policy version {snapshot.weight_version} is newer than the current version {current_version}"
+        )
+
+
+def check_parent_tokens(admission: CaptureAdmission, prefix: TokenIds, snapshot: StagedCallBaseSnapshot) -> None:
+    """Wire-contract 4.6: the durable prefix extends the replacement's exact parent tokens."""
+    ids = snapshot.columns.token_ids
+    if compute_chain_hash(admission.parent_chain_hash, ids) != snapshot.chain_hash:
+        raise CaptureError("the cut's chain hash does not extend the admission's parent chain hash")
+    if hash_token_columns(prefix, ids) != snapshot.cumulative_hash:
+        raise CaptureError("the cut's cumulative hash does not cover the replacement's parent tokens")
+
+
+def _admission_body(call: ActiveCall) -> AdmissionBody:
+    admission = call.admission
+    continuation = admission.generation_cut
+    return AdmissionBody(
+        schema_version=admission.schema_version,
+        parent_call_id=admission.parent_call_id,
+        mode=admission.mode,
+        prev_len=admission.prev_len,
+        parent_chain_hash=admission.parent_chain_hash,
+        prefix_hash=hash_token_columns(call.prefix_token_ids),
+        weight_version=call.weight_version,
+        staging_chain=list(admission.staging_chain),
+        generation_cut=to_json(continuation) if continuation is not None else None,
+        continues=(continuation.source_capture_key, continuation.source_model_call_id) if continuation else None,
+        restored_spans=list(call.restored_spans),
+    )
+
+
+def _ids(values: Sequence[int], name: str) -> TokenIds:
+    try:
+        return TokenIds.coerce(values, name)
+    except ValueError as exc:
+        raise CaptureDataError(str(exc)) from exc
+
+
+def _floats(values: Sequence[float], name: str) -> FloatColumn:
+    try:
+        return FloatColumn.coerce(values, name)
+    except ValueError as exc:
+        raise CaptureDataError(str(exc)) from exc

@@ -1,0 +1,544 @@
+"""Generation cuts: live-call buffers, serving cut requests, periodic flushes, and
+resolving a continuation from the log (wire-contract 5.3 - 5.7)."""
+
+from __future__ import annotations
+
+import array
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from store.columns import FloatColumn, TokenIds
+from store.cut_records import (
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    chunk_staging_key,
+)
+from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
+from store.errors import CaptureError, GenerationCutError, StoreError, UnknownKeyError
+from store.events import EventKind, Span
+from store.projections import generated_spans
+from store.records import (
+    CaptureAdmission,
+    CommitCoords,
+    GenerationCutContinuation,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    from_json,
+    to_json,
+    trusted_snapshot,
+)
+from store.store import StageEntry, Store
+
+if TYPE_CHECKING:
+    from store.capture import ActiveCall, RolloutTokenCapture
+
+log = logging.getLogger("store.cuts")
+
+
+# --- resolving a continuation from the log (5.6) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedCut:
+    snapshot: StagedCallBaseSnapshot
+    spans: list[Span]
+
+
+def resolve_continuation(
+    store: Store,
+    admission: CaptureAdmission,
+    continuation: GenerationCutContinuation,
+    prefix: TokenIds,
+    current_version: int,
+) -> ResolvedCut:
+    """Fold the staged chunks named by the continuation into the cumulative prefix snapshot."""
+    keys = list(continuation.staging_keys)
+    try:
+        chunks = store.fetch(keys)
+    except UnknownKeyError as exc:
+        raise GenerationCutError(f"cannot resolve the generation cut: {exc}") from exc
+    if len(chunks) != len(keys) or not chunks:
+        raise GenerationCutError("cannot resolve the generation cut: the staged chunk count does not match its keys")
+    versions = [chunk.weight_version for chunk in chunks]
+    if any(later < earlier for earlier, later in itertools.pairwise(versions)):
+        raise GenerationCutError(f"the cut's chunk policy versions {versions} are not non-decreasing")
+    if versions[-1] > current_version:
+        raise GenerationCutError(
+            f"the cut's policy version {versions[-1]} is newer than the current rollout version {current_version}"
+        )
+    columns = [chunk.columns for chunk in chunks]
+    if any((c.token_mask.array == 0.0).any() for c in columns[1:]):
+        raise GenerationCutError("only the first chunk of a cut may carry prompt (mask 0.0) tokens")
+    ids = TokenIds.concat([c.token_ids for c in columns])
+    mask = FloatColumn.concat([c.token_mask for c in columns])
+    lps = FloatColumn.concat([c.log_probs for c in columns])
+    fields: dict[str, Any] = {
+        "schema_version": admission.schema_version,
+        "rollout_id": continuation.source_capture_key,
+        "model_call_id": continuation.source_model_call_id,
+        "parent_call_id": admission.parent_call_id,
+        "mode": admission.mode,
+        "prev_len": admission.prev_len,
+        "delta_len": len(ids),
+        "cum_len": admission.prev_len + len(ids),
+        "weight_version": versions[0],
+        "extras_digest": EMPTY_EXTRAS_DIGEST,
+        "chain_hash": compute_chain_hash(admission.parent_chain_hash, ids),
+        "cumulative_hash": hash_token_columns(prefix, ids),
+    }
+    try:
+        digest, packed = staging_digest_and_columns(
+            digest_version=2,
+            extras_digest_version=1,
+            token_ids_delta=ids,
+            token_mask_delta=mask,
+            generation_log_probs_delta=lps,
+            **fields,
+        )
+    except (ValueError, TypeError) as exc:
+        raise GenerationCutError(f"the resolved cut does not form a valid record: {exc}") from exc
+    generated = int((mask.array == 1.0).sum())
+    if generated != continuation.generation_token_count:
+        log.warning(
+            "cut %s: %d generated tokens staged, %d claimed", keys, generated, continuation.generation_token_count
+        )
+        raise GenerationCutError(
+            f"the resolved cut has {generated} generated tokens; the continuation claims "
+            f"{continuation.generation_token_count}"
+        )
+    if digest != continuation.digest:
+        log.warning("cut %s: rebuilt digest %s, continuation digest %s", keys, digest, continuation.digest)
+        raise GenerationCutError("the resolved cut's digest does not match the continuation's digest")
+    snapshot = trusted_snapshot(StagedCallBaseSnapshot, digest, packed, **fields)
+    spans: list[Span] = []
+    offset = 0
+    for chunk, chunk_columns in zip(chunks, columns, strict=True):
+        spans += generated_spans(chunk_columns.token_mask, chunk.weight_version, offset)
+        offset += len(chunk_columns.token_ids)
+    return ResolvedCut(snapshot, spans)
+
+
+# --- live calls (5.3) ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Frozen:
+    owner: str
+    sequence: int
+    ids: array.array[int]
+    logprobs: array.array[float]
+
+
+class LiveCall:
+    """The buffers of one in-flight call: active, at most one frozen, and the sealed prefix."""
+
+    def __init__(self, call: ActiveCall, prompt: TokenIds, effective_output_limit: int | None) -> None:
+        self.call = call
+        self.prompt = prompt
+        self.effective_output_limit = effective_output_limit
+        self.lifecycle = threading.RLock()  # cut, flush, terminal and abort
+        self.data = threading.Lock()  # token observation
+        self.active_ids: array.array[int] = array.array("Q")
+        self.active_logprobs: array.array[float] = array.array("d")
+        self.buffer_sequence = 0
+        self.frozen: _Frozen | None = None
+        self.sealed_ids: array.array[int] = array.array("Q")
+        self.sealed_logprobs: array.array[float] = array.array("d")
+        continuation = call.admission.generation_cut if call.generation_cut is not None else None
+        self.keys: list[str] = list(continuation.staging_keys) if continuation else []
+        self.own_keys: list[str] = []
+        self.acknowledged: set[str] = set()
+        self.restored_count = continuation.generation_token_count if continuation else 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.observation_error: str | None = None
+        self.terminal = False
+
+    @property
+    def carry(self) -> int:
+        """Delta positions before this call's newly generated tokens."""
+        return len(self.prompt) - self.call.admission.prev_len
+
+    def observe(
+        self, ids: Sequence[int], logprobs: Sequence[float], finish: str | None, stop: str | int | None
+    ) -> None:
+        with self.data:
+            if self.terminal:
+                return
+            if len(ids) != len(logprobs):
+                self.observation_error = "unaligned delta output: token ids and log-probs differ in length"
+                return
+            if finish is not None and finish not in ("stop", "length"):
+                self.observation_error = f"unsupported finish reason {finish!r}"
+                return
+            if finish is not None and self.finish_reason is not None and finish != self.finish_reason:
+                self.observation_error = f"conflicting finish reasons {self.finish_reason!r} and {finish!r}"
+                return
+            try:
+                new_ids = array.array("Q", ids)
+                new_logprobs = array.array("d", logprobs)
+            except (TypeError, OverflowError, ValueError) as exc:
+                self.observation_error = f"unreadable engine output: {exc}"
+                return
+            self.active_ids.extend(new_ids)
+            self.active_logprobs.extend(new_logprobs)
+            if finish is not None:
+                self.finish_reason, self.stop_reason = finish, stop
+
+    def unstaged(self) -> int:
+        with self.data:
+            return len(self.active_ids)
+
+    def freeze(self, owner: str) -> _Frozen:
+        with self.data:
+            if self.frozen is not None:
+                raise GenerationCutError(f"a buffer of this call is already frozen by {self.frozen.owner}")
+            self.frozen = _Frozen(owner, self.buffer_sequence, self.active_ids, self.active_logprobs)
+            self.active_ids, self.active_logprobs = array.array("Q"), array.array("d")
+            self.buffer_sequence += 1
+            return self.frozen
+
+    def cumulative(self) -> tuple[TokenIds, FloatColumn]:
+        """Everything generated so far that a cut would make durable: sealed + frozen."""
+        assert self.frozen is not None
+        ids = np.concatenate([np.frombuffer(self.sealed_ids, np.uint64), np.frombuffer(self.frozen.ids, np.uint64)])
+        lps = np.concatenate(
+            [np.frombuffer(self.sealed_logprobs, np.float64), np.frombuffer(self.frozen.logprobs, np.float64)]
+        )
+        return TokenIds(ids), FloatColumn.coerce(lps, "generated log-probs")
+
+    def seal(self, key: str | None) -> None:
+        with self.data:
+            assert self.frozen is not None
+            self.sealed_ids.extend(self.frozen.ids)
+            self.sealed_logprobs.extend(self.frozen.logprobs)
+            self.frozen = None
+            if key is not None:
+                self.keys.append(key)
+                self.own_keys.append(key)
+
+    def rollback(self) -> None:
+        with self.data:
+            if self.frozen is None:
+                return
+            self.frozen.ids.extend(self.active_ids)
+            self.frozen.logprobs.extend(self.active_logprobs)
+            self.active_ids, self.active_logprobs = self.frozen.ids, self.frozen.logprobs
+            self.frozen = None
+
+
+@dataclass
+class _Evidence:
+    """What a cut needs to acknowledge a call that completed before the cut reached it."""
+
+    coords: CommitCoords
+    generated_tokens: int
+    effective_output_limit: int | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _CutPlan:
+    live: LiveCall
+    ack: GenerationCutPrefixAck
+    entry: StageEntry | None
+
+
+class _TerminalGate:
+    def __init__(self, server: CutServer, live: LiveCall | None) -> None:
+        self._server = server
+        self._live = live
+
+    def completed(self, coords: CommitCoords, generated_tokens: int) -> None:
+        self._server.completed(self._live, coords, generated_tokens)
+
+
+class CutServer:
+    """Serves cut requests and periodic flushes for the live calls of one capture."""
+
+    def __init__(
+        self, capture: RolloutTokenCapture, *, flush_threshold_tokens: int, flush_interval: float, evidence_ttl: float
+    ) -> None:
+        self._capture = capture
+        self._store = capture.store
+        self._calls: dict[tuple[str, str], LiveCall] = {}
+        self._registry = threading.Lock()
+        self._evidence: dict[tuple[str, str], _Evidence] = {}
+        self._evidence_ttl = evidence_ttl
+        self._flush_threshold = flush_threshold_tokens
+        self._flush_counter = 0
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if flush_threshold_tokens > 0:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, args=(flush_interval,), name="staging-store-flush", daemon=True
+            )
+            self._flusher.start()
+
+    # registry -------------------------------------------------------------------------------
+
+    def track(self, call: ActiveCall, prompt: TokenIds, effective_output_limit: int | None) -> None:
+        if effective_output_limit is not None and (
+            type(effective_output_limit) is not int or effective_output_limit < 1
+        ):
+            raise CaptureError(f"effective_output_limit must be a positive int, got {effective_output_limit!r}")
+        if call.completed:
+            raise CaptureError(f"{call} already completed; it cannot be tracked for cuts")
+        with self._registry:
+            self._calls[(call.capture_key, call.model_call_id)] = LiveCall(call, prompt, effective_output_limit)
+
+    def live(self, call: ActiveCall) -> LiveCall | None:
+        with self._registry:
+            return self._calls.get((call.capture_key, call.model_call_id))
+
+    def observe(
+        self,
+        call: ActiveCall,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        finish: str | None,
+        stop: str | int | None,
+    ) -> None:
+        live = self.live(call)
+        if live is None:
+            raise CaptureError(f"{call} is not tracked; call track() before observe()")
+        live.observe(ids, logprobs, finish, stop)
+
+    @contextmanager
+    def terminal_gate(self, call: ActiveCall) -> Iterator[_TerminalGate]:
+        """Serialise a call's terminal path with any cut or flush of it, then retire it."""
+        live = self.live(call)
+        if live is None:
+            yield _TerminalGate(self, None)
+            return
+        with live.lifecycle:
+            try:
+                yield _TerminalGate(self, live)
+            finally:
+                live.terminal = True
+                with self._registry:
+                    self._calls.pop((call.capture_key, call.model_call_id), None)
+
+    def completed(self, live: LiveCall | None, coords: CommitCoords, generated_tokens: int) -> None:
+        if live is None:
+            return
+        key = (live.call.capture_key, live.call.model_call_id)
+        with self._registry:
+            self._evidence[key] = _Evidence(
+                coords, generated_tokens, live.effective_output_limit, live.finish_reason, live.stop_reason
+            )
+        obsolete = [k for k in live.own_keys if k not in live.acknowledged]
+        try:
+            self._store.clear_keys(key[0], key[1], obsolete, "obsolete after completion")
+        except StoreError:
+            log.exception("clearing obsolete chunk keys of %s/%s failed; the completion stands", *key)
+
+    def _fresh_evidence(self, key: tuple[str, str]) -> _Evidence | None:
+        with self._registry:
+            now = time.monotonic()
+            for stale in [k for k, e in self._evidence.items() if now - e.at > self._evidence_ttl]:
+                del self._evidence[stale]
+            return self._evidence.get(key)
+
+    # serving a cut (5.5) ----------------------------------------------------------------------
+
+    def serve(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
+        if not isinstance(inventory, GenerationCutInventory):
+            raise CaptureError(f"serve_generation_cut needs a GenerationCutInventory, got {type(inventory).__name__}")
+        cached = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
+        if cached is not None:
+            return from_json(cached, GenerationCutReceipt)
+        calls = [(prefix.capture_key, prefix.model_call_id) for prefix in inventory.active_prefixes]
+        if len(set(calls)) != len(calls):
+            raise GenerationCutError("the inventory names a model call more than once")
+        locked: list[LiveCall] = []
+        plans: list[_CutPlan] = []
+        acks: list[GenerationCutPrefixAck] = []
+        try:
+            for prefix in inventory.active_prefixes:
+                live = self._calls.get((prefix.capture_key, prefix.model_call_id))
+                if live is not None:
+                    live.lifecycle.acquire()
+                    locked.append(live)
+                if live is None or live.terminal:
+                    acks.append(self._terminal_ack(prefix, inventory.checkpoint_id))
+                    continue
+                plan = self._plan(live, prefix, inventory.checkpoint_id)
+                if plan.entry is not None or plan.ack.disposition == "durable_prefix":
+                    plans.append(plan)
+                acks.append(plan.ack)
+            receipt = GenerationCutReceipt(
+                checkpoint_id=inventory.checkpoint_id,
+                cut_id=f"worker-{inventory.inventory_digest}",
+                inventory_digest=inventory.inventory_digest,
+                inventory=inventory,
+                backend_snapshot_id=f"tq-{inventory.inventory_digest}",
+                prefixes=tuple(acks),
+            )
+            receipt.validate_for(inventory)
+            entries = [plan.entry for plan in plans if plan.entry is not None]
+            self._store.stage_all(
+                entries, cut_receipt=(inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt))
+            )
+        except Exception as exc:
+            for live in locked:
+                live.rollback()
+            if isinstance(exc, GenerationCutError):
+                raise
+            raise GenerationCutError(f"serving cut {inventory.checkpoint_id} failed: {exc}") from exc
+        else:
+            for plan in plans:
+                plan.live.seal(plan.entry.staging_key if plan.entry is not None else None)
+                plan.live.acknowledged.update(plan.ack.staging_keys)
+        finally:
+            for live in locked:
+                live.rollback()  # a no-op for sealed buffers; frees a buffer frozen for a failure ack
+                live.lifecycle.release()
+        stored = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
+        return from_json(stored, GenerationCutReceipt) if stored is not None else receipt
+
+    def _plan(self, live: LiveCall, prefix: GenerationCutPrefix, checkpoint_id: str) -> _CutPlan:
+        if live.observation_error is not None:
+            raise GenerationCutError(f"{live.call}: {live.observation_error}")
+        frozen = live.freeze(checkpoint_id)
+        identity = _identity(prefix)
+        generated, logprobs = live.cumulative()
+        total = live.restored_count + len(generated)
+        if total == 0:
+            return _CutPlan(live, GenerationCutPrefixAck(**identity, disposition="durable_failure"), None)
+        if live.effective_output_limit is None:
+            raise GenerationCutError(f"{live.call}: its effective output limit is unknown")
+        record, entry = self._build(live, checkpoint_id, frozen, generated, logprobs)
+        keys = [*live.keys, entry.staging_key] if entry is not None and entry.staging_key else list(live.keys)
+        ack = GenerationCutPrefixAck(
+            **identity,
+            disposition="durable_prefix",
+            cut_kind="active_prefix",
+            frozen_buffer_id=f"active/{checkpoint_id}/{frozen.sequence}",
+            staging_keys=tuple(keys),
+            prefix_token_count=total,
+            prefix_digest=record.digest,
+            effective_output_limit=live.effective_output_limit,
+            terminal_finish_reason=live.finish_reason,  # type: ignore[arg-type]
+            terminal_stop_reason=live.stop_reason,
+        )
+        return _CutPlan(live, ack, entry)
+
+    def _build(
+        self, live: LiveCall, owner: str, frozen: _Frozen, generated: TokenIds, logprobs: FloatColumn
+    ) -> tuple[StagedCallRecord, StageEntry | None]:
+        """The cumulative record (whose digest a restore checks) and what to stage for the chunk."""
+        capture, call = self._capture, live.call
+        cumulative = capture.build_prefix_record(
+            call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
+        )
+        if not len(frozen.ids):
+            return cumulative, None
+        key = chunk_staging_key(owner, call.capture_key, call.model_call_id, len(live.own_keys))
+        if not live.keys:
+            spans = capture.record_spans(call, cumulative)
+            return cumulative, StageEntry(cumulative, key, EventKind.PREFIX_STAGED, spans)
+        chunk = capture.build_generation_chunk_record(
+            call, generated_token_ids=frozen.ids, generated_logprobs=frozen.logprobs
+        )
+        start = live.carry + len(generated) - len(frozen.ids)
+        spans = [(start, start + len(frozen.ids), call.weight_version)]
+        return cumulative, StageEntry(chunk, key, EventKind.CHUNK_STAGED, spans)
+
+    def _terminal_ack(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> GenerationCutPrefixAck:
+        identity = _identity(prefix)
+        evidence = self._fresh_evidence((prefix.capture_key, prefix.model_call_id))
+        if (
+            evidence is None
+            or evidence.coords.disposition != "staged"
+            or evidence.effective_output_limit is None
+            or evidence.finish_reason is None
+            or evidence.coords.staging_key is None
+        ):
+            return GenerationCutPrefixAck(**identity, disposition="durable_failure")
+        return GenerationCutPrefixAck(
+            **identity,
+            disposition="durable_prefix",
+            cut_kind="terminal_completion",
+            frozen_buffer_id=f"terminal/{checkpoint_id}",
+            staging_keys=(evidence.coords.staging_key,),
+            prefix_token_count=evidence.generated_tokens,
+            prefix_digest=evidence.coords.digest,
+            effective_output_limit=evidence.effective_output_limit,
+            terminal_finish_reason=evidence.finish_reason,  # type: ignore[arg-type]
+            terminal_stop_reason=evidence.stop_reason,
+        )
+
+    # periodic flush (5.7) -----------------------------------------------------------------------
+
+    def flush_due(self) -> int:
+        if self._flush_threshold <= 0:
+            return 0
+        with self._registry:
+            candidates = list(self._calls.values())
+        flushed = 0
+        for live in candidates:
+            if live.observation_error is not None or live.frozen is not None:
+                continue
+            if live.unstaged() < self._flush_threshold:
+                continue
+            if not live.lifecycle.acquire(blocking=False):
+                continue  # a cut or the terminal path owns the call right now
+            try:
+                if not live.terminal and self._flush(live):
+                    flushed += 1
+            finally:
+                live.lifecycle.release()
+        return flushed
+
+    def _flush(self, live: LiveCall) -> bool:
+        self._flush_counter += 1
+        owner = f"periodic-{self._flush_counter:012d}"
+        frozen = live.freeze(owner)
+        try:
+            generated, logprobs = live.cumulative()
+            _, entry = self._build(live, owner, frozen, generated, logprobs)
+            if entry is None:
+                live.rollback()
+                return False
+            self._store.stage_all([entry])
+        except Exception:
+            live.rollback()
+            log.exception("periodic flush of %s failed; its tokens stay buffered", live.call)
+            return False
+        live.seal(entry.staging_key)
+        return True
+
+    def _flush_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.flush_due()
+            except Exception:  # a flush pass never takes the worker down
+                log.exception("periodic flush pass failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5)
+
+
+def _identity(prefix: GenerationCutPrefix) -> dict[str, Any]:
+    return {
+        "ticket_id": prefix.ticket_id,
+        "rollout_id": prefix.rollout_id,
+        "attempt_index": prefix.attempt_index,
+        "model_call_id": prefix.model_call_id,
+        "admitted_at": prefix.admitted_at,
+    }
