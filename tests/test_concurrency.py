@@ -258,9 +258,7 @@ def test_one_callers_error_does_not_undo_the_rest_of_its_batch(store: Store, mon
         assert isinstance(results[t], StageResult) and results[t].ok, results[t]  # type: ignore[union-attr]
     for t in bad:
         assert isinstance(results[t], RuntimeError) and f"c{t}" in str(results[t])
-    assert [s.digest for s in store.fetch([records[t].staging_key for t in good])] == [
-        records[t].digest for t in good
-    ]
+    assert [s.digest for s in store.fetch([records[t].staging_key for t in good])] == [records[t].digest for t in good]
     for t in bad:
         with pytest.raises(lib.UnknownKeyError):
             store.fetch([records[t].staging_key])
