@@ -255,18 +255,21 @@ def decode_ids(data: bytes) -> TokenIds:
     raise ValueError(f"unknown token-id column tag {tag!r}")
 
 
-def encode_mask(mask: FloatColumn) -> bytes:
-    """Carry-then-generation masks (the common shape) take nine bytes whatever their length."""
+def carry_count(mask: FloatColumn) -> int | None:
+    """k when the mask is k times +0.0 then only +1.0 (carry-then-generation), else None."""
     raw = mask.big_endian_f32().tobytes()
-    carry = _leading_zero_words(raw)
-    if raw == _ZERO_F32 * carry + _ONE_F32 * (len(mask) - carry):
+    carry = (len(raw) - len(raw.lstrip(b"\x00"))) // 4
+    if raw[carry * 4 :] == _ONE_F32 * (len(mask) - carry):
+        return carry
+    return None
+
+
+def encode_mask(mask: FloatColumn) -> bytes:
+    """Carry-then-generation masks (the common shape) take seventeen bytes whatever their length."""
+    carry = carry_count(mask)
+    if carry is not None:
         return _MASK_RUN + carry.to_bytes(8, "big") + len(mask).to_bytes(8, "big")
-    return _MASK_RAW + raw
-
-
-def _leading_zero_words(raw: bytes) -> int:
-    stripped = raw.lstrip(b"\x00")
-    return (len(raw) - len(stripped)) // 4
+    return _MASK_RAW + mask.big_endian_f32().tobytes()
 
 
 def decode_mask(data: bytes) -> FloatColumn:

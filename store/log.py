@@ -136,10 +136,12 @@ class WriteTransaction:
 
     def append(self, new: NewEvent) -> int:
         """Append one event and fold it into the projections; returns its sequence number."""
-        current = self._execute(
-            self._sql.stream_version, {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
-        ).fetchone()[0]
-        version = (current or 0) + 1
+        call = self.call(new.rollout_id, new.model_call_id) if affects_call(new.kind) else None
+        if call is not None:
+            version = call.stream_version + 1  # the calls row tracks its stream's position
+        else:
+            values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
+            version = (self._execute(self._sql.stream_version, values).fetchone()[0] or 0) + 1
         body = encode_body(new.body)
         if new.columns is None:
             ids = mask = lps = None
@@ -167,12 +169,12 @@ class WriteTransaction:
             },
         ).fetchone()
         seq = int(row[0])
-        self._project(Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body))
+        event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
+        self._project(event, call)
         return seq
 
-    def _project(self, event: Event) -> None:
+    def _project(self, event: Event, current: CallState | None) -> None:
         if affects_call(event.kind):
-            current = self.call(event.rollout_id, event.model_call_id)
             row = fold_call(current, event).to_row()
             if current is None:
                 self._execute(self._sql.insert_call, row)
@@ -183,7 +185,7 @@ class WriteTransaction:
         for key in removed:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():
-            self._execute(self._sql.delete_key, {"staging_key": key})
+            # Callers append a record only under a key they found free in this transaction.
             self._execute(
                 self._sql.insert_key,
                 {

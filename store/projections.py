@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from store.columns import FloatColumn
+from store.columns import FloatColumn, carry_count
 from store.events import (
     AdmissionBody,
     CutReceiptBody,
@@ -226,6 +226,9 @@ def merge_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
 
 def generated_spans(mask: FloatColumn, version: int, offset: int = 0) -> list[Span]:
     """One span per contiguous run of generated (mask 1.0) positions."""
+    carry = carry_count(mask)
+    if carry is not None:
+        return [(offset + carry, offset + len(mask), version)] if carry < len(mask) else []
     generated = np.concatenate(([False], mask.array == 1.0, [False]))
     edges = np.flatnonzero(generated[1:] != generated[:-1])
     return [(offset + int(a), offset + int(b), version) for a, b in zip(edges[::2], edges[1::2], strict=True)]

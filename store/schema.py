@@ -10,7 +10,6 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Float,
-    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -55,6 +54,7 @@ staged_keys = Table(
     Column("rollout_id", String, nullable=False),
     Column("model_call_id", String, nullable=False),
     Column("digest", String(64), nullable=False),
+    sqlite_with_rowid=False,  # one B-tree per projection: fewer pages written per commit
 )
 
 calls = Table(
@@ -79,8 +79,8 @@ calls = Table(
     Column("version_spans", LargeBinary, nullable=False),
     Column("last_seq", BigInteger, nullable=False),
     PrimaryKeyConstraint("rollout_id", "model_call_id", name="pk_calls"),
+    sqlite_with_rowid=False,
 )
-Index("ix_calls_parent", calls.c.rollout_id, calls.c.parent_call_id)
 
 cut_receipts = Table(
     "cut_receipts",
@@ -89,6 +89,7 @@ cut_receipts = Table(
     Column("inventory_digest", String(64), nullable=False),
     Column("event_seq", BigInteger, nullable=False),
     PrimaryKeyConstraint("checkpoint_id", "inventory_digest", name="pk_cut_receipts"),
+    sqlite_with_rowid=False,
 )
 
 PROJECTION_TABLES = (staged_keys, calls, cut_receipts)

@@ -20,10 +20,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for factories
 
-from factories import make_record  # noqa: E402
+from factories import make_record
 
-from store import open_store  # noqa: E402
-from store.schema import SCHEMA_REVISION  # noqa: E402
+from store import open_store
+from store.schema import SCHEMA_REVISION
 
 _PRINT_LOCK = threading.Lock()
 

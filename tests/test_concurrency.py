@@ -331,3 +331,29 @@ def test_sigkill_while_staging_loses_no_acknowledged_record(tmp_path: Path, work
         after = make_record(rollout_id="after-kill", model_call_id="c0")
         assert reopened.stage(after).ok
         assert reopened.fetch([after.staging_key])[0].digest == after.digest
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_stages_through_the_parents_store(tmp_path: Path) -> None:
+    path = tmp_path / "forked.db"
+    with open_store(path) as opened:
+        before = make_record(model_call_id="parent-before")
+        assert opened.stage(before).ok
+        child_record = make_record(model_call_id="child")
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                ok = opened.stage(child_record).ok
+                fetched = opened.fetch([before.staging_key])[0].digest == before.digest
+                code = 0 if ok and fetched else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        after = make_record(model_call_id="parent-after")
+        assert opened.stage(after).ok  # the parent's connections still work after the fork
+        fetched = opened.fetch([before.staging_key, child_record.staging_key, after.staging_key])
+        assert [s.digest for s in fetched] == [before.digest, child_record.digest, after.digest]
+        report = opened.replay()
+        assert report.ok and report.events == 3

@@ -686,3 +686,49 @@ def test_open_store_accepts_pathlike(tmp_path: os.PathLike[str]) -> None:
         assert opened.backend == "sqlite"
         assert opened.stage(make_record()).ok
     assert path.is_file()
+
+
+@pytest.mark.parametrize("scheme", ["postgresql+nosuchdriver", "sqlite+nosuchdriver"])
+def test_unknown_driver_name_is_a_configuration_error(scheme: str, tmp_path: os.PathLike[str]) -> None:
+    # SQLAlchemy raises NoSuchModuleError for an unknown dialect plugin; it must not leak raw.
+    target = f"{scheme}:///{os.path.join(tmp_path, 'x.db')}" if scheme.startswith("sqlite") else f"{scheme}://u@h/db"
+    with pytest.raises(lib.StoreError) as caught:
+        open_store(target)
+    assert isinstance(caught.value, lib.ConfigurationError)
+
+
+def test_lost_postgres_connection_becomes_storage_error_and_recovers(store_url: str, store: Store) -> None:
+    if "://" not in store_url:
+        pytest.skip("PostgreSQL only: terminates the store's server connections")
+    first = make_record(model_call_id="before")
+    assert store.stage(first).ok
+    execute(
+        store_url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    second = make_record(model_call_id="after")
+    try:
+        result = store.stage(second)
+    except lib.StoreError as exc:
+        assert isinstance(exc, lib.StorageError)
+        result = store.stage(second)  # the next write reconnects
+    assert result.ok
+    fetched = store.fetch([first.staging_key, second.staging_key])
+    assert [s.digest for s in fetched] == [first.digest, second.digest]
+    report = store.replay()
+    assert report.ok and report.events == 2
+
+
+def test_stage_accepts_decoded_and_fetched_records(store_url: str, store: Store, tmp_path: os.PathLike[str]) -> None:
+    original = make_record(rollout_id="rollout-ü/🚀", model_call_id="call-é", extras={"ключ": "значение"})
+    decoded = lib.from_json(lib.to_json(original), StagedCallRecord)
+    assert store.stage(decoded).ok
+    assert store.stage(original).ok  # the same record, built locally: idempotent
+    [snapshot] = store.fetch([original.staging_key])
+    assert snapshot.digest == original.digest and snapshot.extras == {"ключ": "значение"}
+    # A fetched snapshot can be staged into another store unchanged.
+    with open_store(os.path.join(tmp_path, "copy.db")) as other:
+        assert other.stage(snapshot).ok
+        assert other.fetch([original.staging_key])[0].digest == original.digest
+    assert store.replay().events == 1

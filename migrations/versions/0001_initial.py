@@ -43,6 +43,7 @@ def upgrade() -> None:
         sa.Column("rollout_id", sa.String, nullable=False),
         sa.Column("model_call_id", sa.String, nullable=False),
         sa.Column("digest", sa.String(64), nullable=False),
+        sqlite_with_rowid=False,
     )
     op.create_table(
         "calls",
@@ -65,20 +66,20 @@ def upgrade() -> None:
         sa.Column("version_spans", sa.LargeBinary, nullable=False),
         sa.Column("last_seq", sa.BigInteger, nullable=False),
         sa.PrimaryKeyConstraint("rollout_id", "model_call_id", name="pk_calls"),
+        sqlite_with_rowid=False,
     )
-    op.create_index("ix_calls_parent", "calls", ["rollout_id", "parent_call_id"])
     op.create_table(
         "cut_receipts",
         sa.Column("checkpoint_id", sa.String, nullable=False),
         sa.Column("inventory_digest", sa.String(64), nullable=False),
         sa.Column("event_seq", sa.BigInteger, nullable=False),
         sa.PrimaryKeyConstraint("checkpoint_id", "inventory_digest", name="pk_cut_receipts"),
+        sqlite_with_rowid=False,
     )
 
 
 def downgrade() -> None:
     op.drop_table("cut_receipts")
-    op.drop_index("ix_calls_parent", table_name="calls")
     op.drop_table("calls")
     op.drop_table("staged_keys")
     op.drop_table("events")
