@@ -529,7 +529,6 @@ def _admission_body(call: ActiveCall) -> AdmissionBody:
         mode=admission.mode,
         prev_len=admission.prev_len,
         parent_chain_hash=admission.parent_chain_hash,
-        prefix_hash=hash_token_columns(call.prefix_token_ids),
         weight_version=call.weight_version,
         staging_chain=list(admission.staging_chain),
         generation_cut=to_json(continuation) if continuation is not None else None,

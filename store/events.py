@@ -52,8 +52,8 @@ class RecordBody(msgspec.Struct, kw_only=True):
 class AdmissionBody(msgspec.Struct, kw_only=True):
     """An accepted admission: identity and lineage, its stamped version, what it continues.
 
-    The inline prefix is not repeated here (those tokens are the parent's); its cumulative
-    hash is kept instead.  ``restored_spans`` are the policy versions of a restored cut.
+    The inline prefix is not repeated here: those tokens are the parent's, bound by
+    ``parent_chain_hash``.  ``restored_spans`` are the policy versions of a restored cut.
     """
 
     schema_version: int
@@ -61,7 +61,6 @@ class AdmissionBody(msgspec.Struct, kw_only=True):
     mode: str
     prev_len: int
     parent_chain_hash: str | None
-    prefix_hash: str
     weight_version: int
     staging_chain: list[str] = []
     generation_cut: bytes | None = None  # the GenerationCutContinuation as JSON

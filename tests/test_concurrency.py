@@ -232,8 +232,8 @@ def test_one_callers_error_does_not_undo_the_rest_of_its_batch(store: Store, mon
     log._write_batch = gated  # type: ignore[method-assign]
     original_project = log_module.WriteTransaction._project
 
-    def failing_project(self: Any, event: Any) -> None:
-        original_project(self, event)
+    def failing_project(self: Any, event: Any, *args: Any, **kwargs: Any) -> None:
+        original_project(self, event, *args, **kwargs)
         if event.rollout_id == "bad":
             raise RuntimeError(f"projection refused {event.model_call_id}")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from factories import make_record
 
 import store
 import store.records
@@ -41,7 +42,6 @@ from store import (
     to_json,
     to_msgpack,
 )
-from factories import make_record
 
 H1, H2, H3 = "1" * 64, "2" * 64, "3" * 64
 

@@ -324,7 +324,7 @@ def test_append_and_projection_commit_together(store_url: str, store: Store, mon
 
     from store import log
 
-    def broken_projection(self: object, event: object) -> None:
+    def broken_projection(self: object, *args: object, **kwargs: object) -> None:
         raise RuntimeError("projection failed after the event insert")
 
     monkeypatch.setattr(log.WriteTransaction, "_project", broken_projection)
