@@ -261,6 +261,54 @@ def staging_digest_and_columns(
     cumulative_hash: Any,
 ) -> tuple[str, PackedColumns]:
     """Validate, pack and hash in one pass; the packed columns are returned for reuse."""
+    try:
+        return _staging_digest_and_columns(
+            schema_version=schema_version,
+            digest_version=digest_version,
+            extras_digest_version=extras_digest_version,
+            rollout_id=rollout_id,
+            model_call_id=model_call_id,
+            parent_call_id=parent_call_id,
+            mode=mode,
+            prev_len=prev_len,
+            delta_len=delta_len,
+            cum_len=cum_len,
+            weight_version=weight_version,
+            token_ids_delta=token_ids_delta,
+            token_mask_delta=token_mask_delta,
+            generation_log_probs_delta=generation_log_probs_delta,
+            extras_digest=extras_digest,
+            chain_hash=chain_hash,
+            cumulative_hash=cumulative_hash,
+        )
+    except (DigestValueError, DigestTypeError):
+        raise
+    except TypeError as exc:  # e.g. len() of a non-sequence, arithmetic on a non-int
+        raise DigestTypeError(f"staged-call digest input has a wrong type: {exc}") from exc
+    except ValueError as exc:
+        raise DigestValueError(f"staged-call digest input is invalid: {exc}") from exc
+
+
+def _staging_digest_and_columns(
+    *,
+    schema_version: Any,
+    digest_version: Any,
+    extras_digest_version: Any,
+    rollout_id: Any,
+    model_call_id: Any,
+    parent_call_id: Any,
+    mode: Any,
+    prev_len: Any,
+    delta_len: Any,
+    cum_len: Any,
+    weight_version: Any,
+    token_ids_delta: Any,
+    token_mask_delta: Any,
+    generation_log_probs_delta: Any,
+    extras_digest: Any,
+    chain_hash: Any,
+    cumulative_hash: Any,
+) -> tuple[str, PackedColumns]:
     _check_versions(schema_version, digest_version, extras_digest_version)
     if not rollout_id or not model_call_id:
         raise DigestValueError("rollout_id and model_call_id must be non-empty")

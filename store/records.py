@@ -103,6 +103,16 @@ def _lineage(record: str, parent_call_id: Any, prev_len: int, mode: Any | None) 
             raise _fail(record, "a child (parent_call_id set) must be token_in mode")
 
 
+def _instances(record: str, name: str, values: Any, kind: type) -> None:
+    if not isinstance(values, (list, tuple)) or not all(isinstance(value, kind) for value in values):
+        raise _fail(record, f"{name} must be a list of {kind.__name__}")
+
+
+def _optional_text(record: str, name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise _fail(record, f"{name} must be a string or null, got {value!r}")
+
+
 def _unique(record: str, name: str, values: Sequence[str]) -> None:
     for value in values:
         _identifier(record, f"{name} entry", value)
@@ -594,6 +604,11 @@ class CaptureLedgerCommit(_Wire, frozen=True, kw_only=True):
         name = "CaptureLedgerCommit"
         _schema(name, self.schema_version)
         _identifier(name, "rollout_id", self.rollout_id)
+        if not isinstance(self.record, CallRecord):
+            raise _fail(name, "record must be a CallRecord")
+        _instances(name, "parent_manifest", self.parent_manifest, CallRecord)
+        _instances(name, "request_items", self.request_items, dict)
+        _instances(name, "response_items", self.response_items, dict)
         for key in self.staging_chain:
             _identifier(name, "staging_chain entry", key)
         manifest = self.parent_manifest
@@ -619,6 +634,7 @@ class ManifestFailure(_Wire, frozen=True, kw_only=True):
     reason: str
 
     def __post_init__(self) -> None:
+        _schema("ManifestFailure", self.schema_version)
         _identifier("ManifestFailure", "model_call_id", self.model_call_id)
         _identifier("ManifestFailure", "reason", self.reason)
 
@@ -629,7 +645,10 @@ class RolloutManifest(_Wire, frozen=True, kw_only=True):
     failures: list[ManifestFailure] = []
 
     def __post_init__(self) -> None:
+        _schema("RolloutManifest", self.schema_version)
         _identifier("RolloutManifest", "rollout_id", self.rollout_id)
+        _instances("RolloutManifest", "records", self.records, CallRecord)
+        _instances("RolloutManifest", "failures", self.failures, ManifestFailure)
 
 
 class RolloutRemoval(_Wire, frozen=True, kw_only=True):
@@ -637,6 +656,9 @@ class RolloutRemoval(_Wire, frozen=True, kw_only=True):
     absent: list[str] = []
 
     def __post_init__(self) -> None:
+        _schema("RolloutRemoval", self.schema_version)
+        _instances("RolloutRemoval", "removed", self.removed, str)
+        _instances("RolloutRemoval", "absent", self.absent, str)
         for value in [*self.removed, *self.absent]:
             _identifier("RolloutRemoval", "rollout id", value)
 
@@ -660,6 +682,9 @@ class RolloutReceipt(_DigestWire, frozen=True, kw_only=True):
         _identifier(name, "rollout_id", self.rollout_id)
         _strict_float(name, "reward", self.reward)
         _optional_identifier(name, "terminal_model_call_id", self.terminal_model_call_id)
+        _instances(name, "manifest", self.manifest, CallRecord)
+        _optional_text(name, "failure_reason", self.failure_reason)
+        _optional_text(name, "terminal_attribution_reason", self.terminal_attribution_reason)
         if type(self.capture_poisoned) is not bool:
             raise _fail(name, "capture_poisoned must be a bool")
         if self.terminal_selection is not None:

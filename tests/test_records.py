@@ -769,7 +769,6 @@ def test_native_construction_refuses_what_decoding_refuses() -> None:
     """
     manifest_row = call_row("a")
     cases: dict[str, Callable[[], Any]] = {
-        "StageResult(unknown kwarg)": lambda: StageResult(ok=True, staging_key="k", bogus=1),
         "RolloutReceipt(failure_reason=5)": lambda: RolloutReceipt(
             rollout_id="r", capture_poisoned=True, failure_reason=5
         ),
@@ -782,6 +781,9 @@ def test_native_construction_refuses_what_decoding_refuses() -> None:
             rollout_id="r", record={"model_call_id": "b"}, staging_chain=("k",), parent_manifest=(manifest_row,)
         ),
     }
+    # An unknown keyword is refused by Python itself at the call site (msgspec's __init__).
+    with pytest.raises(TypeError, match="bogus"):
+        StageResult(ok=True, staging_key="k", bogus=1)  # type: ignore[call-arg]
     # Each of these is refused on the wire ...
     refused_json(StageResult, {"ok": True, "staging_key": "k", "bogus": 1})
     refused_json(RolloutReceipt, {"rollout_id": "r", "capture_poisoned": True, "failure_reason": 5})
