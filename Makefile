@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_records.py
 	$(PY) tools/bench_staging.py
 	$(PY) tools/bench_bytes.py
+	$(PY) tools/bench_cuts.py
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

@@ -210,7 +210,10 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     for index, row in enumerate(cells):
-        print("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        print(
+            "  "
+            + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        )
         if index == 0:
             print("  " + "  ".join("-" * w for w in widths))
 
@@ -227,17 +230,18 @@ def environment() -> dict[str, Any]:
 
 
 @contextmanager
-def profiled(top: int = 10, sort: str = "cumulative") -> Iterator[None]:
-    """Profile the block and print the ``top`` functions (to stderr, so --json stays clean)."""
+def profiled(top: int = 10, sorts: Sequence[str] = ("cumulative", "tottime")) -> Iterator[None]:
+    """Profile the block; print the ``top`` functions per sort order (to stderr: --json stays clean)."""
     profile = cProfile.Profile()
     profile.enable()
     try:
         yield
     finally:
         profile.disable()
-        out = io.StringIO()
-        pstats.Stats(profile, stream=out).strip_dirs().sort_stats(sort).print_stats(top)
-        print(out.getvalue(), file=sys.stderr)
+        for sort in sorts:
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).strip_dirs().sort_stats(sort).print_stats(top)
+            print(out.getvalue(), file=sys.stderr)
 
 
 # --- realistic token columns --------------------------------------------------------------

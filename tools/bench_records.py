@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import (  # noqa: E402
+from _bench_common import (
     Columns,
     Report,
     Target,
@@ -46,8 +46,8 @@ from _bench_common import (  # noqa: E402
     staging_preimage,
 )
 
-from store import StagedCallRecord, compute_chain_hash, hash_token_ids  # noqa: E402
-from store.digest import is_digest_hex  # noqa: E402
+from store import StagedCallRecord, compute_chain_hash, hash_token_ids
+from store.digest import is_digest_hex
 
 TARGET_RATIO = 3.0
 SIZES = (4_096, 32_768)
@@ -145,7 +145,9 @@ def main() -> int:
 
         base = measure(sha, repeat=repeat, number=calibrate(sha, min_sample), warmup=3)
         report.results[f"sha256_{size}"] = {"preimage_bytes": len(data), **base.as_dict()}
-        rows.append([f"sha256 preimage ({len(data):,} B)", size, fmt_seconds(base.median), fmt_seconds(base.min), "1.00x", ""])
+        rows.append(
+            [f"sha256 preimage ({len(data):,} B)", size, fmt_seconds(base.median), fmt_seconds(base.min), "1.00x", ""]
+        )
 
         for form in FORMS:
             build, validate = builder(columns, form)
@@ -180,15 +182,13 @@ def main() -> int:
                     f"build {fmt_seconds(build_only.median)}, validate {fmt_seconds(validate_only.median)}",
                 ]
             )
-            report.targets.append(
-                Target(f"records_{size}_{form}", ratio, "<=", TARGET_RATIO)
-            )
+            report.targets.append(Target(f"records_{size}_{form}", ratio, "<=", TARGET_RATIO))
     report.table(
         "Per-record time (median / min of repeats; ratio = median / sha256 median)",
         ["operation", "tokens", "median", "min", "ratio", "split (medians)"],
         rows,
     )
-    report.notes.append("TARGET records_<tokens>_<form>: median(build+validate) / median(sha256 of the preimage)")
+    report.notes.append("records_<tokens>_<form> targets: median(build+validate) / median(sha256 of the preimage)")
     report.notes.append("inputs: ~10% carried prompt (mask 0.0), then generated tokens; ids < 150,000")
     report.emit(args.json)
 

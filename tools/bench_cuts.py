@@ -1,0 +1,391 @@
+"""Benchmark: generation cuts -- resolving a continuation at admission, and serving a cut.
+
+(a) ``begin_call`` of a replacement call (attempt 1) continuing a cut call whose durable
+    prefix was staged in 4 chunks totalling 32,768 delta tokens (the first chunk is the
+    cumulative prefix record with the carried prompt; then three generation-only chunks),
+    resolved from the log: fetch and verify the chunks, rebuild and hash the cumulative
+    snapshot, check it, append the admission event (durability="full": one commit).
+    Baseline: one ``hashlib.sha256`` pass over that cumulative record's digest preimage
+    (16 bytes per token plus a header).  Target (issue): <= 6x.
+
+    ``begin_call`` appends an admission event but stages nothing, so the same admission is
+    admitted repeatedly (checked: every repetition resolves the same 32,768-token prefix).
+
+(b) ``serve_generation_cut`` for one inventory naming 64 live calls of 4,096 delta tokens
+    each (10% carried prompt, the rest observed), then a second cut after 256 more tokens
+    per call.  No target: total and per-call times are reported.
+
+    .venv/bin/python tools/bench_cuts.py [--quick] [--json] [--profile]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import (
+    Columns,
+    Report,
+    Target,
+    Timing,
+    calibrate,
+    fmt_seconds,
+    measure,
+    parser,
+    profiled,
+    staging_preimage,
+    temp_dir,
+)
+
+from store import (
+    CaptureAdmission,
+    GenerationCutContinuation,
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutReceipt,
+    RolloutTokenCapture,
+    Store,
+    TokenIds,
+    capture_key,
+    open_store,
+)
+from store.cuts import resolve_continuation
+
+VOCAB = 150_000
+TARGET_RATIO = 6.0
+WEIGHT_VERSION = 7
+
+# (a): a parent root call, then the cut call continuing it.
+PARENT_PROMPT, PARENT_GENERATED = 256, 256
+CUT_TOKENS, CUT_CHUNKS = 32_768, 4
+CARRY_FRACTION = 0.10
+
+# (b)
+LIVE_CALLS, LIVE_TOKENS, MORE_TOKENS = 64, 4_096, 256
+
+
+def ids(rng: np.random.Generator, count: int) -> list[int]:
+    return rng.integers(0, VOCAB, size=count).tolist()
+
+
+def logprobs(rng: np.random.Generator, count: int) -> list[float]:
+    return (-rng.exponential(0.7, size=count) - 1e-6).tolist()
+
+
+# --- (a) continuation resolved from the log --------------------------------------------------
+
+
+@dataclass
+class ContinuationSetup:
+    store: Store
+    capture: RolloutTokenCapture
+    admission: CaptureAdmission
+    continuation: GenerationCutContinuation
+    prefix: TokenIds
+    chunk_sizes: list[int]
+    preimage: bytes
+
+
+def setup_continuation(path: str, rng: np.random.Generator) -> ContinuationSetup:
+    store = open_store(path, durability="full")
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: WEIGHT_VERSION)
+    root = capture.begin_call(CaptureAdmission(rollout_id="r0", model_call_id="c0", mode="text"))
+    coords = capture.complete_call(
+        root,
+        prompt_token_ids=ids(rng, PARENT_PROMPT),
+        generated_token_ids=ids(rng, PARENT_GENERATED),
+        generated_logprobs=logprobs(rng, PARENT_GENERATED),
+    )
+    assert coords.disposition == "staged" and coords.staging_key is not None and coords.chain_hash is not None
+    parent_tokens = store.fetch([coords.staging_key])[0].token_ids_delta.tolist()
+    prev_len = len(parent_tokens)
+
+    lineage: dict[str, Any] = {
+        "model_call_id": "c1",
+        "mode": "token_in",
+        "parent_call_id": "c0",
+        "prev_len": prev_len,
+        "required_prefix_token_ids": parent_tokens,
+        "parent_chain_hash": coords.chain_hash,
+    }
+    call = capture.begin_call(CaptureAdmission(rollout_id="r0", **lineage))
+    carry = int(CUT_TOKENS * CARRY_FRACTION)
+    capture.track(call, prompt_token_ids=parent_tokens + ids(rng, carry), effective_output_limit=2 * CUT_TOKENS)
+    chunk = CUT_TOKENS // CUT_CHUNKS
+    generated_sizes = [chunk - carry] + [chunk] * (CUT_CHUNKS - 1)
+    ticket = GenerationCutPrefix(ticket_id="t1", rollout_id="r0", attempt_index=0, model_call_id="c1", admitted_at=1.0)
+    receipt: GenerationCutReceipt | None = None
+    for index, size in enumerate(generated_sizes):
+        capture.observe(call, ids(rng, size), logprobs(rng, size))
+        inventory = GenerationCutInventory.build(
+            checkpoint_id=f"checkpoint-{index + 1}", server_name="policy", active_prefixes=[ticket]
+        )
+        receipt = capture.serve_generation_cut(inventory)
+    assert receipt is not None
+    ack = receipt.prefixes[0]
+    assert ack.disposition == "durable_prefix" and len(ack.staging_keys) == CUT_CHUNKS, ack
+    assert ack.prefix_digest is not None and ack.prefix_token_count is not None
+    assert ack.effective_output_limit is not None
+    continuation = GenerationCutContinuation(
+        source_capture_key="r0",
+        source_model_call_id="c1",
+        staging_keys=ack.staging_keys,
+        generation_token_count=ack.prefix_token_count,
+        digest=ack.prefix_digest,
+        effective_output_limit=ack.effective_output_limit,
+    )
+    admission = CaptureAdmission(rollout_id=capture_key("r0", 1), generation_cut=continuation, **lineage)
+    chunks = store.fetch(list(ack.staging_keys))
+    chunk_sizes = [chunk.delta_len for chunk in chunks]
+
+    # The baseline's bytes: the cumulative record's staging-digest preimage.
+    first = capture.begin_call(admission)
+    cut = first.generation_cut
+    assert cut is not None
+    cut_columns = cut.columns
+    columns = Columns(
+        np.asarray(cut_columns.token_ids.array),
+        np.asarray(cut_columns.token_mask.array),
+        np.asarray(cut_columns.log_probs.array),
+        carry,
+    )
+    preimage = staging_preimage(
+        rollout_id=cut.rollout_id,
+        model_call_id=cut.model_call_id,
+        parent_call_id=cut.parent_call_id,
+        mode=cut.mode,
+        prev_len=cut.prev_len,
+        weight_version=cut.weight_version,
+        columns=columns,
+        chain_hash=cut.chain_hash,
+        cumulative_hash=cut.cumulative_hash,
+    )
+    if hashlib.sha256(preimage).hexdigest() != continuation.digest:
+        raise AssertionError("the reconstructed preimage does not hash to the continuation digest")
+    prefix = TokenIds.coerce(parent_tokens)
+    return ContinuationSetup(store, capture, admission, continuation, prefix, chunk_sizes, preimage)
+
+
+def bench_continuation(report: Report, args: Any, folder: str, rng: np.random.Generator) -> None:
+    repeat = 5 if args.quick else 31
+    setup = setup_continuation(os.path.join(folder, "continuation.db"), rng)
+    store, capture, admission = setup.store, setup.capture, setup.admission
+    expected_generated = setup.continuation.generation_token_count
+    try:
+        admitted: list[Any] = []
+
+        def begin() -> None:
+            admitted.append(capture.begin_call(admission))
+
+        def verify() -> None:
+            # Outside the timed region: every repeated admission resolved the same prefix.
+            for call in admitted:
+                cut = call.generation_cut
+                if cut is None or cut.delta_len != CUT_TOKENS or cut.digest != setup.continuation.digest:
+                    raise AssertionError("a repeated begin_call did not resolve the same prefix")
+                continuation = call.continuation
+                if continuation is None or continuation.generation_token_count != expected_generated:
+                    raise AssertionError("a repeated begin_call lost the continuation's generated count")
+            admitted.clear()
+
+        def resolve() -> None:
+            resolve_continuation(store, admission, setup.continuation, setup.prefix, WEIGHT_VERSION)
+
+        keys = list(setup.continuation.staging_keys)
+
+        def fetch() -> None:
+            store.fetch(keys)
+
+        def sha() -> None:
+            hashlib.sha256(setup.preimage).hexdigest()
+
+        begin_timing = measure(begin, repeat=repeat, warmup=2)
+        verified = len(admitted)
+        verify()
+        resolve_timing = measure(resolve, repeat=repeat, warmup=1)
+        fetch_timing = measure(fetch, repeat=repeat, warmup=1)
+        base = measure(sha, repeat=repeat, number=calibrate(sha, 0.005), warmup=3)
+        info = store.call(capture_key("r0", 1), "c1")
+        if args.profile:
+            with profiled(10):
+                for _ in range(30):
+                    begin()
+            verify()
+    finally:
+        store.close()
+
+    # For comparison only: the same admission on the same log, reopened at durability="normal"
+    # (WAL without an fsync per commit), to separate the commit's fsync from the CPU work.
+    relaxed = open_store(os.path.join(folder, "continuation.db"), durability="normal")
+    try:
+        relaxed_capture = RolloutTokenCapture(store=relaxed, weight_version_fn=lambda: WEIGHT_VERSION)
+
+        def begin_relaxed() -> None:
+            relaxed_capture.begin_call(admission)
+
+        relaxed_timing = measure(begin_relaxed, repeat=repeat, warmup=2)
+    finally:
+        relaxed.close()
+
+    ratio = begin_timing.median / base.median
+    remainder = begin_timing.median - resolve_timing.median
+    report.params["a"] = (
+        f"{CUT_TOKENS} delta tokens in {CUT_CHUNKS} chunks {setup.chunk_sizes}, prev_len {len(setup.prefix)}, "
+        f"{expected_generated} generated, repeat {repeat}"
+    )
+
+    def row(name: str, timing: Timing) -> list[str]:
+        return [name, fmt_seconds(timing.median), fmt_seconds(timing.min), f"{timing.median / base.median:.2f}x"]
+
+    report.table(
+        "(a) begin_call of a continued call resolved from the log (ratio = median / sha256 median)",
+        ["operation", "median", "min", "ratio"],
+        [
+            row(f"sha256 of the cumulative preimage ({len(setup.preimage):,} B)", base),
+            row("begin_call (resolve + checks + admission commit)", begin_timing),
+            row("begin_call, same log reopened at durability=normal (info)", relaxed_timing),
+            row("  resolve_continuation (fetch + concat + 3 hashes)", resolve_timing),
+            row(f"    store.fetch of the {CUT_CHUNKS} chunks (checksum, decode, verify)", fetch_timing),
+            [
+                "  remainder: admission event commit (fsync) + checks",
+                fmt_seconds(remainder),
+                "",
+                f"{remainder / base.median:.2f}x",
+            ],
+        ],
+    )
+    report.results["a"] = {
+        "chunk_delta_tokens": setup.chunk_sizes,
+        "preimage_bytes": len(setup.preimage),
+        "sha256": base.as_dict(),
+        "begin_call": begin_timing.as_dict(),
+        "begin_call_durability_normal": relaxed_timing.as_dict(),
+        "resolve_continuation": resolve_timing.as_dict(),
+        "fetch_chunks": fetch_timing.as_dict(),
+        "ratio_median": ratio,
+        "ratio_min": begin_timing.min / base.min,
+        "repeated_admissions_verified": verified,
+        "replacement_call_state": info.state if info else None,
+    }
+    report.notes.append(
+        f"(a) {verified} repeated begin_calls of the same admission each resolved the same "
+        f"{CUT_TOKENS}-token prefix (digest and generated count checked after timing)"
+    )
+    report.targets.append(Target("cuts_begin_call_continuation_32768", ratio, "<=", TARGET_RATIO))
+
+
+# --- (b) serving a cut of 64 live calls --------------------------------------------------------
+
+
+def one_serve_round(path: str, rng: np.random.Generator) -> tuple[float, float, float]:
+    """Returns (seconds of the first cut, seconds of the second cut, sha256 seconds of all prefixes)."""
+    store = open_store(path, durability="full")
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: WEIGHT_VERSION)
+    try:
+        carry = int(LIVE_TOKENS * CARRY_FRACTION)
+        calls, tickets = [], []
+        for index in range(LIVE_CALLS):
+            call = capture.begin_call(CaptureAdmission(rollout_id=f"r{index}", model_call_id="c0", mode="text"))
+            capture.track(call, prompt_token_ids=ids(rng, carry), effective_output_limit=2 * LIVE_TOKENS)
+            capture.observe(call, ids(rng, LIVE_TOKENS - carry), logprobs(rng, LIVE_TOKENS - carry))
+            calls.append(call)
+            tickets.append(
+                GenerationCutPrefix(
+                    ticket_id=f"t{index:03d}",
+                    rollout_id=f"r{index}",
+                    attempt_index=0,
+                    model_call_id="c0",
+                    admitted_at=1.0,
+                )
+            )
+
+        def serve(checkpoint: str, expect: int) -> float:
+            inventory = GenerationCutInventory.build(
+                checkpoint_id=checkpoint, server_name="policy", active_prefixes=tickets
+            )
+            start = time.perf_counter()
+            receipt = capture.serve_generation_cut(inventory)
+            elapsed = time.perf_counter() - start
+            counts = {ack.prefix_token_count for ack in receipt.prefixes}
+            if len(receipt.prefixes) != LIVE_CALLS or counts != {expect}:
+                raise AssertionError(f"cut {checkpoint}: unexpected acknowledgements {counts}")
+            return elapsed
+
+        first = serve("checkpoint-1", LIVE_TOKENS - carry)
+        for call in calls:
+            capture.observe(call, ids(rng, MORE_TOKENS), logprobs(rng, MORE_TOKENS))
+        second = serve("checkpoint-2", LIVE_TOKENS - carry + MORE_TOKENS)
+    finally:
+        store.close()
+    # For scale: one sha256 over 64 preimage-sized buffers of 4,096 tokens.
+    blob = os.urandom(16 * LIVE_TOKENS + 200)
+    start = time.perf_counter()
+    for _ in range(LIVE_CALLS):
+        hashlib.sha256(blob).digest()
+    return first, second, time.perf_counter() - start
+
+
+def bench_serve(report: Report, args: Any, folder: str, rng: np.random.Generator) -> None:
+    repeat = 1 if args.quick else 5
+    firsts, seconds, hashes = [], [], []
+    for rep in range(repeat):
+        first, second, sha = one_serve_round(os.path.join(folder, f"serve-{rep}.db"), rng)
+        firsts.append(first)
+        seconds.append(second)
+        hashes.append(sha)
+    report.params["b"] = f"{LIVE_CALLS} live calls x {LIVE_TOKENS} delta tokens, +{MORE_TOKENS} each, repeat {repeat}"
+
+    def row(name: str, values: list[float]) -> list[str]:
+        median = statistics.median(values)
+        return [name, fmt_seconds(median), fmt_seconds(min(values)), fmt_seconds(median / LIVE_CALLS)]
+
+    report.table(
+        f"(b) serve_generation_cut, one inventory of {LIVE_CALLS} live calls (fresh store per repetition)",
+        ["operation", "total median", "total min", "per call (median)"],
+        [
+            row(f"first cut ({LIVE_TOKENS} tokens per call)", firsts),
+            row(f"second cut (+{MORE_TOKENS} tokens per call)", seconds),
+            row("for scale: sha256 of 64 x 4,096-token preimages", hashes),
+        ],
+    )
+    report.results["b"] = {
+        "first_cut_s": firsts,
+        "second_cut_s": seconds,
+        "first_cut_median_per_call_s": statistics.median(firsts) / LIVE_CALLS,
+        "second_cut_median_per_call_s": statistics.median(seconds) / LIVE_CALLS,
+        "sha256_64_preimages_s": hashes,
+    }
+
+
+def main() -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--profile", action="store_true", help="cProfile 30 begin_calls of (a), top 10 to stderr")
+    p.add_argument("--only", choices=("a", "b"), default=None, help="run only part (a) or (b)")
+    args = p.parse_args()
+    rng = np.random.default_rng(args.seed)
+    report = Report("bench_cuts")
+    parts: list[Callable[[Report, Any, str, np.random.Generator], None]] = []
+    if args.only in (None, "a"):
+        parts.append(bench_continuation)
+    if args.only in (None, "b"):
+        parts.append(bench_serve)
+    with temp_dir(args.dir) as folder:
+        for part in parts:
+            part(report, args, folder, rng)
+    report.emit(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
