@@ -70,17 +70,23 @@ def create_store_engine(url: URL, durability: str) -> tuple[Engine, Backend]:
     if backend_name == "sqlite":
         if url.database in (None, "", ":memory:"):
             raise ConfigurationError("an in-memory SQLite database is not durable; pass a file path")
-        engine = sa.create_engine(url)
+        engine = _create_engine(url)
         _configure_sqlite(engine, durability)
         return engine, SQLITE
     if backend_name == "postgresql":
-        try:
-            engine = sa.create_engine(url, pool_pre_ping=True)
-        except ImportError as exc:
-            raise ConfigurationError("PostgreSQL needs psycopg: pip install 'psycopg[binary]'") from exc
+        engine = _create_engine(url, pool_pre_ping=True)
         _configure_postgresql(engine, durability)
         return engine, POSTGRESQL
     raise ConfigurationError(f"unsupported database {backend_name!r}; use a SQLite path or a postgresql:// URL")
+
+
+def _create_engine(url: URL, **options: Any) -> Engine:
+    try:
+        return sa.create_engine(url, **options)
+    except ImportError as exc:
+        raise ConfigurationError(f"the driver for {url.drivername} is not installed: {exc}") from exc
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"cannot use {url.drivername!r}: {exc}") from exc
 
 
 def _configure_sqlite(engine: Engine, durability: str) -> None:

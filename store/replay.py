@@ -73,7 +73,7 @@ def rebuild(connection: sa.Connection) -> tuple[int, Tables]:
     keys: dict[str, KeyState] = {}
     receipts: dict[tuple[str, str], int] = {}
     count = 0
-    for row in connection.execution_options(yield_per=1000).execute(query):
+    for row in connection.execute(query.execution_options(yield_per=1000)):
         count += 1
         kind = EventKind(row.kind)
         event = Event(
