@@ -127,13 +127,14 @@ def _ids_from_buffer(ids: np.ndarray | array.array[int], name: str) -> np.ndarra
 class FloatColumn(Sequence[float]):
     """An immutable column of finite floats hashed as IEEE-754 binary32 (wire-contract 2.5)."""
 
-    __slots__ = ("_f32", "_values")
+    __slots__ = ("_carry", "_f32", "_values")
 
     def __init__(self, values: np.ndarray, f32: np.ndarray) -> None:
         # Trusted: ``values`` are finite float64, ``f32`` their binary32 rounding.  numpy
         # operations (concatenate) return native byte order, so normalise to big-endian here.
         self._values = _readonly(values)
         self._f32 = _readonly(f32 if f32.dtype == _F32_BE else f32.astype(_F32_BE))
+        self._carry: int | None = -1  # -1: not computed yet (see carry_count)
 
     @classmethod
     def coerce(cls, values: Any, name: str) -> FloatColumn:
@@ -190,6 +191,14 @@ class FloatColumn(Sequence[float]):
 
     def big_endian_f32(self) -> np.ndarray:
         return self._f32
+
+    def carry_count(self) -> int | None:
+        """As a mask: k when it is k times +0.0 then only +1.0, else None (cached)."""
+        if self._carry == -1:
+            raw = self._f32.tobytes()
+            carry = (len(raw) - len(raw.lstrip(b"\x00"))) // 4
+            self._carry = carry if raw[carry * 4 :] == _ONE_F32 * (len(self) - carry) else None
+        return self._carry
 
     def tolist(self) -> list[float]:
         return list(self._values.tolist())
@@ -257,11 +266,7 @@ def decode_ids(data: bytes) -> TokenIds:
 
 def carry_count(mask: FloatColumn) -> int | None:
     """k when the mask is k times +0.0 then only +1.0 (carry-then-generation), else None."""
-    raw = mask.big_endian_f32().tobytes()
-    carry = (len(raw) - len(raw.lstrip(b"\x00"))) // 4
-    if raw[carry * 4 :] == _ONE_F32 * (len(mask) - carry):
-        return carry
-    return None
+    return mask.carry_count()
 
 
 def encode_mask(mask: FloatColumn) -> bytes:

@@ -6,6 +6,7 @@ speaks portable SQLAlchemy Core.
 
 from __future__ import annotations
 
+import operator
 import os
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,8 +35,11 @@ class Backend:
     name: str
     begin_write_sql: str
 
-    def describe_url(self, url: URL) -> str:
-        return url.render_as_string(hide_password=True)
+    def commit_mode_sql(self, durable: bool) -> tuple[str | None, str | None]:
+        """SQL to run before BEGIN and inside the transaction so its commit waits for the disk or not."""
+        if self.name == "sqlite":
+            return f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}", None
+        return None, (None if durable else "SET LOCAL synchronous_commit = off")
 
 
 SQLITE = Backend("sqlite", "BEGIN IMMEDIATE")
@@ -120,12 +124,15 @@ class Statement:
     def __init__(self, statement: sa.sql.ClauseElement, engine: Engine) -> None:
         compiled = statement.compile(dialect=engine.dialect)
         self.sql = compiled.string
-        self._order: Sequence[str] | None = getattr(compiled, "positiontup", None)
+        order: Sequence[str] | None = getattr(compiled, "positiontup", None)
+        self._positional = None if order is None else operator.itemgetter(*order)
+        self._single = order is not None and len(order) == 1
 
     def params(self, values: Mapping[str, Any]) -> Sequence[Any] | Mapping[str, Any]:
-        if self._order is None:
+        if self._positional is None:
             return values
-        return tuple(values[name] for name in self._order)
+        picked = self._positional(values)
+        return (picked,) if self._single else picked
 
 
 def storage_error(action: str, exc: BaseException) -> StorageError:
@@ -198,11 +205,20 @@ def _run_alembic(connection: sa.Connection) -> None:
 
 
 @contextmanager
-def raw_write_transaction(dbapi_connection: Any, backend: Backend) -> Iterator[Any]:
-    """One write transaction on a raw DBAPI connection: the single begin path for writes."""
+def raw_write_transaction(dbapi_connection: Any, backend: Backend, *, durable: bool = True) -> Iterator[Any]:
+    """One write transaction on a raw DBAPI connection: the single begin path for writes.
+
+    ``durable=False`` commits without waiting for the disk (WAL ``synchronous=NORMAL``);
+    a later durable commit makes it durable too.
+    """
+    before, inside = backend.commit_mode_sql(durable)
     cursor = dbapi_connection.cursor()
     try:
+        if before is not None:
+            cursor.execute(before)
         cursor.execute(backend.begin_write_sql)
+        if inside is not None:
+            cursor.execute(inside)
         yield cursor
         dbapi_connection.commit()
     except BaseException:

@@ -24,7 +24,7 @@ from store import schema
 from store.columns import encode_floats, encode_ids, encode_mask, frame_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error
-from store.errors import StorageError, StoreError
+from store.errors import StoreError
 from store.events import EventKind, encode_body
 from store.projections import (
     CallState,
@@ -215,54 +215,90 @@ class WriteTransaction:
 
 
 class _Pending(Generic[T]):
-    __slots__ = ("done", "error", "result", "work")
+    __slots__ = ("done", "durable", "error", "result", "work")
 
-    def __init__(self, work: Callable[[WriteTransaction], T]) -> None:
+    def __init__(self, work: Callable[[WriteTransaction], T], durable: bool) -> None:
         self.work = work
+        self.durable = durable
         self.done = False
         self.result: T | None = None
         self.error: BaseException | None = None
 
 
+# How long a new leader may wait for the callers of the previous batch to queue again.
+# Far below one fsync, so gathering them into one commit is always the better trade.
+GATHER_SECONDS = 0.0005
+
+
 class EventLog:
     """The single write path of a store: group commit over one writer connection."""
 
-    def __init__(self, engine: Engine, backend: Backend) -> None:
+    def __init__(self, engine: Engine, backend: Backend, *, durable: bool = True) -> None:
         self._engine = engine
         self._backend = backend
+        self._durable = durable
         self._statements = _Statements(engine)
         self._driver_errors = driver_errors(engine)
-        self._condition = threading.Condition()
+        self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)  # followers wait for their batch
+        self._arrived = threading.Condition(self._lock)  # a gathering leader waits for callers
         self._queue: list[_Pending[Any]] = []
         self._writing = False
+        self._gathering = False
+        self._last_batch = 1
         self._connection: Any = None
 
-    def write(self, work: Callable[[WriteTransaction], T]) -> T:
-        """Run ``work`` in a write transaction and return its result once committed."""
-        pending: _Pending[T] = _Pending(work)
-        with self._condition:
+    def write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
+        """Run ``work`` in a write transaction and return its result once committed.
+
+        ``durable=False`` is for bookkeeping events that hold no staged tokens: their commit
+        does not wait for the disk unless a durable write shares the batch.
+        """
+        pending: _Pending[T] = _Pending(work, durable)
+        with self._lock:
             self._queue.append(pending)
+            if self._gathering:
+                self._arrived.notify()
             while self._writing and not pending.done:
-                self._condition.wait()
+                self._finished.wait()
             if not pending.done:
                 self._writing = True
+                self._gather()
                 batch, self._queue = self._queue, []
         if not pending.done:
             try:
                 self._write_batch(batch)
             finally:
-                with self._condition:
+                with self._lock:
                     self._writing = False
-                    self._condition.notify_all()
+                    self._last_batch = len(batch)
+                    self._finished.notify_all()
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]
 
+    def _gather(self) -> None:
+        """Wait briefly for as many callers as the last batch had (called holding the lock)."""
+        expected = self._last_batch
+        if expected <= 1 or len(self._queue) >= expected:
+            return
+        deadline = time.monotonic() + GATHER_SECONDS
+        self._gathering = True
+        try:
+            while len(self._queue) < expected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._arrived.wait(remaining)
+        finally:
+            self._gathering = False
+
     def _write_batch(self, batch: list[_Pending[Any]]) -> None:
         shared = len(batch) > 1
+        durable = self._durable and any(pending.durable for pending in batch)
         try:
             connection = self._writer()
-            with raw_write_transaction(connection, self._backend) as cursor:
+            with raw_write_transaction(connection, self._backend, durable=durable) as cursor:
                 transaction = WriteTransaction(cursor, self._statements)
                 for index, pending in enumerate(batch):
                     self._run_one(transaction, pending, f"op{index}" if shared else None)
@@ -317,12 +353,10 @@ class EventLog:
             self._connection = None
 
     def close(self) -> None:
-        with self._condition:
+        with self._lock:
             while self._writing:
-                self._condition.wait()
+                self._finished.wait()
             if self._connection is not None:
                 self._connection.close()
                 self._connection = None
 
-
-__all__ = ["EventLog", "NewEvent", "WriteTransaction", "StorageError"]

@@ -51,7 +51,7 @@ class Store:
 
     def _connect(self) -> None:
         self._engine, self._backend = create_store_engine(self._url, self._durability)
-        self._log = EventLog(self._engine, self._backend)
+        self._log = EventLog(self._engine, self._backend, durable=self._durability == "full")
         self._reader = Reader(self._engine)
         self._pid = os.getpid()
 
@@ -193,20 +193,31 @@ class Store:
 
     def record_admission(self, rollout_id: str, model_call_id: str, body: AdmissionBody) -> None:
         self._ready()
-        self._log.write(lambda tx: tx.append(NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)))
+        event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)
+        self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         self._ready()
         body = FailureBody(reason=reason)
-        self._log.write(lambda tx: tx.append(NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)))
+        event = NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)
+        self._log.write(lambda tx: tx.append(event), durable=False)
 
     def clear_keys(self, rollout_id: str, model_call_id: str, keys: Sequence[str], reason: str) -> None:
-        """Withdraw staged keys of one call (a rolled-back cut, or chunks made obsolete)."""
+        """Withdraw staged keys of one call (a rolled-back cut, or chunks made obsolete).
+
+        Keys that hold nothing are skipped; if none is live, nothing is written.
+        """
         self._ready()
-        if not keys:
-            return
-        body = KeysClearedBody(staging_keys=list(keys), reason=reason)
-        self._log.write(lambda tx: tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, model_call_id, body)))
+        wanted = list(dict.fromkeys(keys))
+
+        def work(tx: WriteTransaction) -> None:
+            live = [key for key in wanted if tx.key(key) is not None]
+            if live:
+                body = KeysClearedBody(staging_keys=live, reason=reason)
+                tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, model_call_id, body))
+
+        if wanted:
+            self._log.write(work, durable=False)  # a key that reappears after power loss is harmless
 
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         """The receipt (JSON) already returned for this inventory, if any."""
