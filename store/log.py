@@ -359,4 +359,3 @@ class EventLog:
             if self._connection is not None:
                 self._connection.close()
                 self._connection = None
-

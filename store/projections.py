@@ -139,14 +139,15 @@ def affects_call(kind: EventKind) -> bool:
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
     base = current or CallState(event.rollout_id, event.model_call_id, 0, "admitted")
-    position = {"stream_version": event.stream_version, "last_seq": event.seq}
+    version, seq = event.stream_version, event.seq
     body = event.body
     if event.kind is EventKind.CALL_ADMITTED:
         assert isinstance(body, AdmissionBody)
         continuation = body.continues
         return replace(
             base,
-            **position,
+            stream_version=version,
+            last_seq=seq,
             state="admitted",
             parent_call_id=body.parent_call_id,
             mode=body.mode,
@@ -162,7 +163,8 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
         state = "completed" if event.kind is EventKind.CALL_COMPLETED else _live(base.state, "staging")
         return replace(
             base,
-            **position,
+            stream_version=version,
+            last_seq=seq,
             state=state,
             parent_call_id=body.parent_call_id,
             mode=body.mode,
@@ -178,15 +180,16 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
         spans = merge_spans([*base.spans, *body.spans])
         return replace(
             base,
-            **position,
+            stream_version=version,
+            last_seq=seq,
             state=_live(base.state, "staging"),
             cum_len=(base.cum_len or body.prev_len) + body.delta_len,
             spans=spans,
             generated_tokens=_generated(spans),
         )
     if event.kind is EventKind.CALL_FAILED:
-        return replace(base, **position, state="failed")
-    return replace(base, **position)  # keys cleared: only the stream position moves
+        return replace(base, stream_version=version, last_seq=seq, state="failed")
+    return replace(base, stream_version=version, last_seq=seq)  # keys cleared: only the stream position moves
 
 
 def _live(current: str, new: str) -> str:
