@@ -129,10 +129,11 @@ class FloatColumn(Sequence[float]):
 
     __slots__ = ("_carry", "_f32", "_values")
 
-    def __init__(self, values: np.ndarray, f32: np.ndarray) -> None:
-        # Trusted: ``values`` are finite float64, ``f32`` their binary32 rounding.  numpy
-        # operations (concatenate) return native byte order, so normalise to big-endian here.
-        self._values = _readonly(values)
+    def __init__(self, values: np.ndarray | None, f32: np.ndarray) -> None:
+        # Trusted: ``values`` are finite float64 (None: the binary32 values widened, made on
+        # first use), ``f32`` their binary32 rounding.  numpy operations return native byte
+        # order, so normalise to big-endian here.
+        self._values = None if values is None else _readonly(values)
         self._f32 = _readonly(f32 if f32.dtype == _F32_BE else f32.astype(_F32_BE))
         self._carry: int | None = -1  # -1: not computed yet (see carry_count)
 
@@ -172,13 +173,17 @@ class FloatColumn(Sequence[float]):
     @classmethod
     def from_f32(cls, f32: np.ndarray) -> FloatColumn:
         """A column whose values are the given binary32 values widened (exact)."""
-        return cls(f32.astype(np.float64), f32)
+        return cls(None, f32)
 
     @classmethod
     def concat(cls, parts: Sequence[FloatColumn]) -> FloatColumn:
         if not parts:
             return cls(np.empty(0, dtype=np.float64), np.empty(0, dtype=">f4"))
-        return cls(np.concatenate([p._values for p in parts]), np.concatenate([p._f32 for p in parts]))
+        # Join the binary32 bit patterns as bytes: no float conversion, no byte swapping.
+        f32 = np.concatenate([p._f32.view(np.uint32) for p in parts]).view(_F32_BE)
+        if all(p._values is None for p in parts):
+            return cls(None, f32)
+        return cls(np.concatenate([p.array for p in parts]), f32)
 
     @classmethod
     def filled(cls, value: float, count: int) -> FloatColumn:
@@ -187,6 +192,8 @@ class FloatColumn(Sequence[float]):
     @property
     def array(self) -> np.ndarray:
         """The read-only float64 values as given (their binary32 rounding is what is hashed)."""
+        if self._values is None:
+            self._values = _readonly(self._f32.astype(np.float64))
         return self._values
 
     def big_endian_f32(self) -> np.ndarray:
@@ -201,10 +208,10 @@ class FloatColumn(Sequence[float]):
         return self._carry
 
     def tolist(self) -> list[float]:
-        return list(self._values.tolist())
+        return list(self.array.tolist())
 
     def __len__(self) -> int:
-        return int(self._values.shape[0])
+        return int(self._f32.shape[0])
 
     @overload
     def __getitem__(self, index: int) -> float: ...
@@ -212,11 +219,11 @@ class FloatColumn(Sequence[float]):
     def __getitem__(self, index: slice) -> FloatColumn: ...
     def __getitem__(self, index: int | slice) -> float | FloatColumn:
         if isinstance(index, slice):
-            return FloatColumn(self._values[index].copy(), self._f32[index].copy())
-        return float(self._values[index])
+            return FloatColumn(self.array[index].copy(), self._f32[index].copy())
+        return float(self.array[index])
 
     def __iter__(self) -> Iterator[float]:
-        return iter(self._values.tolist())
+        return iter(self.array.tolist())
 
     def __eq__(self, other: object) -> bool:
         # Equal when they hash equal: compare the binary32 bit patterns (-0.0 != 0.0).

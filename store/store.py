@@ -167,6 +167,15 @@ class Store:
             raise InvalidRecordError("fetch() takes a list of staging keys, not a single string")
         return self._reader.fetch(list(keys))
 
+    def fetch_chunks(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
+        """Like ``fetch``, checksums verified but each record's digest not re-hashed.
+
+        Only for callers that verify one digest over the concatenation, as restoring a
+        generation cut does (the rebuilt prefix must match the continuation's digest).
+        """
+        self._ready()
+        return self._reader.fetch(list(keys), verify_digests=False)
+
     # --- projections ------------------------------------------------------------------------
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
