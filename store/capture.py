@@ -534,6 +534,7 @@ def _admission_body(call: ActiveCall) -> AdmissionBody:
         generation_cut=to_json(continuation) if continuation is not None else None,
         continues=(continuation.source_capture_key, continuation.source_model_call_id) if continuation else None,
         restored_spans=list(call.restored_spans),
+        restored_delta_len=call.generation_cut.delta_len if call.generation_cut is not None else 0,
     )
 
 

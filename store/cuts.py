@@ -33,6 +33,7 @@ from store.records import (
     GenerationCutContinuation,
     StagedCallBaseSnapshot,
     StagedCallRecord,
+    StagedCallSnapshot,
     from_json,
     to_json,
     trusted_snapshot,
@@ -66,9 +67,10 @@ def resolve_continuation(
     try:
         # Each chunk's own digest is not re-hashed: the digest of their concatenation is
         # checked against the continuation below, and checksums guard the stored bytes.
-        chunks = store.fetch_chunks(keys)
+        fetched = store.fetch_chunks(keys)
     except UnknownKeyError as exc:
         raise GenerationCutError(f"cannot resolve the generation cut: {exc}") from exc
+    chunks = [snapshot for snapshot, _ in fetched]
     if len(chunks) != len(keys) or not chunks:
         raise GenerationCutError("cannot resolve the generation cut: the staged chunk count does not match its keys")
     versions = [chunk.weight_version for chunk in chunks]
@@ -122,12 +124,31 @@ def resolve_continuation(
         log.warning("cut %s: rebuilt digest %s, continuation digest %s", keys, digest, continuation.digest)
         raise GenerationCutError("the resolved cut's digest does not match the continuation's digest")
     snapshot = trusted_snapshot(StagedCallBaseSnapshot, digest, packed, **fields)
+    spans = _restored_spans(fetched)
+    newest = max((version for _, _, version in spans), default=versions[0])
+    if newest > current_version:
+        raise GenerationCutError(
+            f"the cut holds tokens of policy version {newest}, newer than the current rollout version {current_version}"
+        )
+    return ResolvedCut(snapshot, spans)
+
+
+def _restored_spans(fetched: Sequence[tuple[StagedCallSnapshot, list[Span]]]) -> list[Span]:
+    """Per-token policy versions of the concatenated chunks, as their events recorded them.
+
+    A record's spans are in its call's delta positions, which are the positions in the
+    concatenation; spans that do not fit their chunk fall back to the chunk's stamp.
+    """
     spans: list[Span] = []
     offset = 0
-    for chunk, chunk_columns in zip(chunks, columns, strict=True):
-        spans += generated_spans(chunk_columns.token_mask, chunk.weight_version, offset)
-        offset += len(chunk_columns.token_ids)
-    return ResolvedCut(snapshot, spans)
+    for snapshot, recorded in fetched:
+        end = offset + snapshot.delta_len
+        if recorded and all(offset <= start < stop <= end for start, stop, _ in recorded):
+            spans += recorded
+        else:
+            spans += generated_spans(snapshot.columns.token_mask, snapshot.weight_version, offset)
+        offset = end
+    return spans
 
 
 # --- live calls (5.3) ------------------------------------------------------------------------------
@@ -315,6 +336,8 @@ class CutServer:
     ) -> None:
         live = self.live(call)
         if live is None:
+            if call.completed:
+                return  # tokens that raced the call's completion change nothing
             raise CaptureError(f"{call} is not tracked; call track() before observe()")
         live.observe(ids, logprobs, finish, stop)
 

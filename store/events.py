@@ -66,6 +66,7 @@ class AdmissionBody(msgspec.Struct, kw_only=True):
     generation_cut: bytes | None = None  # the GenerationCutContinuation as JSON
     continues: tuple[str, str] | None = None  # (source capture key, source model call id)
     restored_spans: list[Span] = []
+    restored_delta_len: int = 0  # delta tokens of the restored cut (carry + generated)
 
 
 class FailureBody(msgspec.Struct, kw_only=True):

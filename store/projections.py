@@ -155,6 +155,7 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
             continues_rollout_id=continuation[0] if continuation else None,
             continues_model_call_id=continuation[1] if continuation else None,
             admitted_version=body.weight_version,
+            cum_len=body.prev_len + body.restored_delta_len if continuation else None,
             spans=merge_spans(body.restored_spans),
             generated_tokens=_generated(body.restored_spans),
         )

@@ -15,7 +15,7 @@ from store.columns import decode_floats, decode_ids, decode_mask, frame_checksum
 from store.digest import PackedColumns, staging_digest_and_columns
 from store.engine import driver_errors, storage_error
 from store.errors import CorruptRecordError, InvalidRecordError, UnknownKeyError
-from store.events import EventKind, RecordBody, decode_body
+from store.events import EventKind, RecordBody, Span, decode_body
 from store.projections import CallState
 from store.records import StagedCallSnapshot, trusted_snapshot
 
@@ -91,6 +91,12 @@ class Reader:
             raise storage_error(action, exc) from exc
 
     def fetch(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StagedCallSnapshot]:
+        return [snapshot for snapshot, _ in self.fetch_with_spans(keys, verify_digests=verify_digests)]
+
+    def fetch_with_spans(
+        self, keys: Sequence[str], *, verify_digests: bool = True
+    ) -> list[tuple[StagedCallSnapshot, list[Span]]]:
+        """Snapshots with the policy-version spans their events recorded, in the order asked."""
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             if not isinstance(key, str) or not key:
@@ -145,8 +151,8 @@ class Reader:
         return bytes(decode_body(EventKind(row.kind), bytes(row.body)).receipt)
 
 
-def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> StagedCallSnapshot:
-    """Verify a stored record (checksum, then digest) and rebuild its snapshot."""
+def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> tuple[StagedCallSnapshot, list[Span]]:
+    """Verify a stored record (checksum, then digest) and rebuild its snapshot and spans."""
     body_bytes, ids, mask, lps = bytes(row.body), bytes(row.token_ids), bytes(row.token_mask), bytes(row.log_probs)
     where = f"event {row.seq} (key {row.staging_key!r})"
     if frame_checksum(body_bytes, ids, mask, lps) != bytes(row.checksum):
@@ -163,7 +169,8 @@ def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> StagedCallSnap
     if digest != body.digest:
         raise CorruptRecordError(f"{where} does not match its staged digest")
     try:
-        return trusted_snapshot(StagedCallSnapshot, digest, columns, **_snapshot_fields(body))
+        snapshot = trusted_snapshot(StagedCallSnapshot, digest, columns, **_snapshot_fields(body))
+        return snapshot, [tuple(span) for span in body.spans]  # type: ignore[misc]
     except InvalidRecordError as exc:
         raise CorruptRecordError(f"{where}: {exc}") from exc
 

@@ -167,14 +167,14 @@ class Store:
             raise InvalidRecordError("fetch() takes a list of staging keys, not a single string")
         return self._reader.fetch(list(keys))
 
-    def fetch_chunks(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
-        """Like ``fetch``, checksums verified but each record's digest not re-hashed.
+    def fetch_chunks(self, keys: Sequence[str]) -> list[tuple[StagedCallSnapshot, list[Span]]]:
+        """Like ``fetch``, with each record's version spans; checksums verified, digests not re-hashed.
 
         Only for callers that verify one digest over the concatenation, as restoring a
         generation cut does (the rebuilt prefix must match the continuation's digest).
         """
         self._ready()
-        return self._reader.fetch(list(keys), verify_digests=False)
+        return self._reader.fetch_with_spans(list(keys), verify_digests=False)
 
     # --- projections ------------------------------------------------------------------------
 
