@@ -205,16 +205,19 @@ def _run_alembic(connection: sa.Connection) -> None:
 
 
 @contextmanager
-def raw_write_transaction(dbapi_connection: Any, backend: Backend, *, durable: bool = True) -> Iterator[Any]:
+def raw_write_transaction(
+    dbapi_connection: Any, backend: Backend, *, durable: bool = True, mode_set: bool = False
+) -> Iterator[Any]:
     """One write transaction on a raw DBAPI connection: the single begin path for writes.
 
     ``durable=False`` commits without waiting for the disk (WAL ``synchronous=NORMAL``);
-    a later durable commit makes it durable too.
+    a later durable commit makes it durable too.  ``mode_set`` says the connection is
+    already in the wanted commit mode.
     """
     before, inside = backend.commit_mode_sql(durable)
     cursor = dbapi_connection.cursor()
     try:
-        if before is not None:
+        if before is not None and not mode_set:
             cursor.execute(before)
         cursor.execute(backend.begin_write_sql)
         if inside is not None:

@@ -247,6 +247,8 @@ class EventLog:
         self._gathering = False
         self._last_batch = 1
         self._connection: Any = None
+        self._fairy: Any = None  # the pool's wrapper of _connection, kept to return it
+        self._commit_mode: bool | None = None  # the writer connection's current durability
 
     def write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
         """Run ``work`` in a write transaction and return its result once committed.
@@ -298,7 +300,9 @@ class EventLog:
         durable = self._durable and any(pending.durable for pending in batch)
         try:
             connection = self._writer()
-            with raw_write_transaction(connection, self._backend, durable=durable) as cursor:
+            mode_set = self._commit_mode == durable
+            self._commit_mode = durable
+            with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
                 transaction = WriteTransaction(cursor, self._statements)
                 for index, pending in enumerate(batch):
                     self._run_one(transaction, pending, f"op{index}" if shared else None)
@@ -343,19 +347,22 @@ class EventLog:
 
     def _writer(self) -> Any:
         if self._connection is None:
-            self._connection = self._engine.raw_connection()
+            self._fairy = self._engine.raw_connection()
+            # The driver's own connection: the write path is hot, the pool's proxy is not needed.
+            self._connection = self._fairy.dbapi_connection
+            self._commit_mode = None
         return self._connection
 
     def _discard_writer(self) -> None:
-        if self._connection is not None:
+        if self._fairy is not None:
             with contextlib.suppress(Exception):  # the connection is being thrown away anyway
-                self._connection.invalidate()
-            self._connection = None
+                self._fairy.invalidate()
+        self._fairy = self._connection = None
 
     def close(self) -> None:
         with self._lock:
             while self._writing:
                 self._finished.wait()
-            if self._connection is not None:
-                self._connection.close()
-                self._connection = None
+            if self._fairy is not None:
+                self._fairy.close()
+            self._fairy = self._connection = None
