@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
+from vectors import vectors_by_id
 
 import store as lib
 from store import (
@@ -46,17 +45,7 @@ from store import digest as digest_module
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _vectors() -> dict[str, dict[str, Any]]:
-    override = os.environ.get("STORE_VECTORS_PATH")
-    path = (
-        Path(override) if override else Path(__file__).resolve().parents[2] / "shared" / "conformance" / "vectors.json"
-    )
-    if not path.exists():
-        return {}
-    return {case["id"]: case for case in json.loads(path.read_text(encoding="utf-8"))}
-
-
-VECTORS = _vectors()
+VECTORS = vectors_by_id()
 
 
 def vector(case_id: str) -> dict[str, Any]:

@@ -7,18 +7,16 @@ the store projects for continued calls.  Named after the NeMo RL worker tests of
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 from factories import make_record
+from vectors import vectors_by_id
 
 import store as lib
 from store import (
@@ -48,17 +46,7 @@ from store import (
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _vectors() -> dict[str, dict[str, Any]]:
-    override = os.environ.get("STORE_VECTORS_PATH")
-    path = (
-        Path(override) if override else Path(__file__).resolve().parents[2] / "shared" / "conformance" / "vectors.json"
-    )
-    if not path.exists():
-        return {}
-    return {case["id"]: case for case in json.loads(path.read_text(encoding="utf-8"))}
-
-
-VECTORS = _vectors()
+VECTORS = vectors_by_id()
 
 
 class Versions:

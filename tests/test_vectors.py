@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import struct
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from vectors import REPO_COPY, SHARED_COPY, load_vectors
 
 import store
 from store import (
@@ -28,22 +26,14 @@ from store import (
 # --- loading and decoding the vector file ----------------------------------------------------
 
 
-def _vectors_path() -> Path:
-    override = os.environ.get("STORE_VECTORS_PATH")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[2] / "shared" / "conformance" / "vectors.json"
-
-
 def _load_cases() -> list[dict[str, Any]]:
-    data = json.loads(_vectors_path().read_text(encoding="utf-8"))
-    assert isinstance(data, list) and data, "the vector file must be a non-empty JSON array"
+    data = load_vectors()
     assert data[0].get("id") == "_meta", "element 0 of the vector file must be the header"
     return list(data[1:])
 
 
 CASES = _load_cases()
-HEADER_EMPTY_EXTRAS = json.loads(_vectors_path().read_text(encoding="utf-8"))[0]["empty_extras_digest"]
+HEADER_EMPTY_EXTRAS = load_vectors()[0]["empty_extras_digest"]
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -564,3 +554,8 @@ def test_build_staging_delta_columns_hash_like_the_same_plain_values() -> None:
     assert columns.log_probs == [0.0, 0.0, 0.0, -0.5, -0.25]
     raw = columns.token_mask.big_endian_f32().tobytes()
     assert raw == bytes.fromhex("00000000" * 3 + "3f800000" * 2)
+
+
+@pytest.mark.skipif(not SHARED_COPY.exists(), reason="no shared/ folder beside the repo")
+def test_repo_copy_of_the_vectors_matches_shared() -> None:
+    assert REPO_COPY.read_bytes() == SHARED_COPY.read_bytes(), "tests/data/vectors.json is stale; copy it again"
