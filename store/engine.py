@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 import os
 import sqlite3
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,9 +104,28 @@ def _configure_sqlite(engine: Engine, durability: str) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(cursor)
         cursor.execute(f"PRAGMA synchronous = {synchronous}")
         cursor.close()
+
+
+def _enable_wal(cursor: sqlite3.Cursor) -> None:
+    """Switch a new file to WAL (a store file stays in WAL once switched).
+
+    The switch needs an exclusive lock and SQLite does not wait for it, so processes
+    opening one new file at once retry here instead of failing.
+    """
+    if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+        return
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _configure_postgresql(engine: Engine, durability: str) -> None:
