@@ -308,7 +308,7 @@ class RolloutTokenCapture:
     def record_spans(self, call: ActiveCall, record: StagedCallRecord) -> list[Span]:
         """Which policy version generated which positions of a record built for ``call``."""
         restored = len(call.generation_cut.token_ids_delta) if call.generation_cut is not None else 0
-        tail = FloatColumn.coerce(record.columns.token_mask.array[restored:], "mask")
+        tail = record.columns.token_mask[restored:]
         return [*call.restored_spans, *generated_spans(tail, call.weight_version, offset=restored)]
 
     # --- completion (4.9 - 4.11) -------------------------------------------------------------------

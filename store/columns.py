@@ -22,6 +22,9 @@ _U64_MAX = 2**64 - 1
 _LITTLE = sys.byteorder == "little"
 _INT_ARRAY_CODES = frozenset("bBhHiIlLqQ")
 _F32_BE = np.dtype(">f4")
+# Big-endian binary32 bit patterns read as native uint32 (no conversion of the column).
+_ONE_BITS = np.array([1.0], dtype=_F32_BE).view(np.uint32)[0]
+_ABS_BITS = ~np.array([-0.0], dtype=_F32_BE).view(np.uint32)[0]  # clears the sign bit
 _FLOAT_ARRAY_CODES = frozenset("fd")
 
 
@@ -202,10 +205,28 @@ class FloatColumn(Sequence[float]):
     def carry_count(self) -> int | None:
         """As a mask: k when it is k times +0.0 then only +1.0, else None (cached)."""
         if self._carry == -1:
-            raw = self._f32.tobytes()
-            carry = (len(raw) - len(raw.lstrip(b"\x00"))) // 4
-            self._carry = carry if raw[carry * 4 :] == _ONE_F32 * (len(self) - carry) else None
+            bits = self._f32.view(np.uint32)
+            nonzero = bits != 0
+            carry = int(np.argmax(nonzero)) if nonzero.any() else len(bits)
+            self._carry = carry if bool((bits[carry:] == _ONE_BITS).all()) else None
         return self._carry
+
+    def zero_one_flags(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per position: equal to 0.0 (either sign), equal to 1.0.
+
+        Judged on the values as given; a column read back from storage is judged on its
+        binary32 patterns, which avoids widening it (the widened values are identical).
+        """
+        if self._values is not None:
+            return self._values == 0.0, self._values == 1.0
+        bits = self._f32.view(np.uint32)
+        return (bits & _ABS_BITS) == 0, bits == _ONE_BITS
+
+    def any_nonzero(self, where: np.ndarray) -> bool:
+        """Whether any selected position differs from 0.0 (-0.0 counts as 0.0)."""
+        if self._values is not None:
+            return bool((self._values[where] != 0.0).any())
+        return bool(((self._f32.view(np.uint32)[where] & _ABS_BITS) != 0).any())
 
     def tolist(self) -> list[float]:
         return list(self.array.tolist())
@@ -219,7 +240,8 @@ class FloatColumn(Sequence[float]):
     def __getitem__(self, index: slice) -> FloatColumn: ...
     def __getitem__(self, index: int | slice) -> float | FloatColumn:
         if isinstance(index, slice):
-            return FloatColumn(self.array[index].copy(), self._f32[index].copy())
+            values = None if self._values is None else self._values[index].copy()
+            return FloatColumn(values, self._f32[index].copy())
         return float(self.array[index])
 
     def __iter__(self) -> Iterator[float]:

@@ -81,7 +81,7 @@ def resolve_continuation(
             f"the cut's policy version {versions[-1]} is newer than the current rollout version {current_version}"
         )
     columns = [chunk.columns for chunk in chunks]
-    if any((c.token_mask.array == 0.0).any() for c in columns[1:]):
+    if any(c.token_mask.zero_one_flags()[0].any() for c in columns[1:]):
         raise GenerationCutError("only the first chunk of a cut may carry prompt (mask 0.0) tokens")
     ids = TokenIds.concat([c.token_ids for c in columns])
     mask = FloatColumn.concat([c.token_mask for c in columns])
@@ -111,7 +111,7 @@ def resolve_continuation(
         )
     except (ValueError, TypeError) as exc:
         raise GenerationCutError(f"the resolved cut does not form a valid record: {exc}") from exc
-    generated = int((mask.array == 1.0).sum())
+    generated = int(np.count_nonzero(mask.zero_one_flags()[1]))
     if generated != continuation.generation_token_count:
         log.warning(
             "cut %s: %d generated tokens staged, %d claimed", keys, generated, continuation.generation_token_count

@@ -374,11 +374,10 @@ def _check_versions(schema_version: Any, digest_version: Any, extras_digest_vers
 
 def check_mask_and_carry(mask: FloatColumn, log_probs: FloatColumn) -> None:
     """Masks are 0.0 or 1.0; every carry (mask 0.0) position has log-prob 0.0 (-0.0 passes)."""
-    values = mask.array
-    carry = values == 0.0
-    if not (carry | (values == 1.0)).all():
+    carry, generated = mask.zero_one_flags()
+    if not (carry | generated).all():
         raise DigestValueError("token_mask_delta values must be exactly 0.0 or 1.0")
-    if carry.any() and (log_probs.array[carry] != 0.0).any():
+    if carry.any() and log_probs.any_nonzero(carry):
         raise DigestValueError("a carry position (mask 0.0) must have log-prob 0.0")
 
 

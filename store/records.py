@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
+import numpy as np
 
 from store import digest as _digest
 from store.columns import FloatColumn, TokenIds
@@ -333,7 +334,7 @@ class StagedCallBaseSnapshot(_DigestWire, frozen=True, kw_only=True):
     @property
     def generated_token_count(self) -> int:
         """How many positions carry mask 1.0 (generated, not carried prompt)."""
-        return int((_as_floats(self.token_mask_delta).array == 1.0).sum())
+        return int(np.count_nonzero(_as_floats(self.token_mask_delta).zero_one_flags()[1]))
 
 
 def _as_ids(value: Sequence[int]) -> TokenIds:
