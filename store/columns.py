@@ -22,6 +22,7 @@ _U64_MAX = 2**64 - 1
 _LITTLE = sys.byteorder == "little"
 _INT_ARRAY_CODES = frozenset("bBhHiIlLqQ")
 _F32_BE = np.dtype(">f4")
+_U64_BE = np.dtype(">u8")
 # Big-endian binary32 bit patterns read as native uint32 (no conversion of the column).
 _ONE_BITS = np.array([1.0], dtype=_F32_BE).view(np.uint32)[0]
 _ABS_BITS = ~np.array([-0.0], dtype=_F32_BE).view(np.uint32)[0]  # clears the sign bit
@@ -34,14 +35,14 @@ def _readonly(values: np.ndarray) -> np.ndarray:
 
 
 class TokenIds(Sequence[int]):
-    """An immutable column of u64 token ids."""
+    """An immutable column of u64 token ids, held big-endian: the form every digest hashes."""
 
-    __slots__ = ("_big_endian", "_values")
+    __slots__ = ("_values",)
 
     def __init__(self, values: np.ndarray) -> None:
-        # Trusted: callers pass a validated uint64 array (use ``coerce`` otherwise).
-        self._values = _readonly(values)
-        self._big_endian: np.ndarray | None = None
+        # Trusted: callers pass a validated uint64 array, in either byte order (use
+        # ``coerce`` otherwise).  One big-endian copy serves hashing and reading alike.
+        self._values = _readonly(_big_endian_u64(values))
 
     @classmethod
     def coerce(cls, ids: Any, name: str = "token ids") -> TokenIds:
@@ -68,19 +69,17 @@ class TokenIds(Sequence[int]):
     def concat(cls, parts: Sequence[TokenIds]) -> TokenIds:
         if not parts:
             return cls(np.empty(0, dtype=np.uint64))
-        return cls(np.concatenate([p._values for p in parts]))
+        # Join the big-endian words as bits: no byte swapping.
+        return cls(np.concatenate([p._values.view(np.uint64) for p in parts]).view(_U64_BE))
 
     @property
     def array(self) -> np.ndarray:
-        """The read-only uint64 values."""
+        """The read-only values (a big-endian uint64 array; numpy reads it as numbers)."""
         return self._values
 
     def big_endian(self) -> np.ndarray:
-        """The ids as u64 big-endian, exactly as the wire digests hash them (cached)."""
-        if self._big_endian is None:
-            be = self._values.byteswap().view(">u8") if _LITTLE else self._values
-            self._big_endian = _readonly(be)
-        return self._big_endian
+        """The ids as u64 big-endian, exactly as the wire digests hash them."""
+        return self._values
 
     def tolist(self) -> list[int]:
         return list(self._values.tolist())
@@ -111,6 +110,14 @@ class TokenIds(Sequence[int]):
 
     def __repr__(self) -> str:
         return f"TokenIds({self.tolist()!r})" if len(self) <= 16 else f"TokenIds(<{len(self)} ids>)"
+
+
+def _big_endian_u64(values: np.ndarray) -> np.ndarray:
+    if values.dtype == _U64_BE:
+        return values
+    if values.dtype == np.uint64 and _LITTLE:
+        return values.byteswap().view(_U64_BE)
+    return values.astype(_U64_BE)
 
 
 def _ids_from_buffer(ids: np.ndarray | array.array[int], name: str) -> np.ndarray:
@@ -287,7 +294,12 @@ def encode_ids(ids: TokenIds) -> bytes:
 def decode_ids(data: bytes) -> TokenIds:
     tag, body = data[:1], data[1:]
     if tag == _IDS_U32:
-        return TokenIds(np.frombuffer(body, dtype="<u4").astype(np.uint64))
+        # Big-endian u64 of an id below 2**32: four zero bytes, then its big-endian u32.
+        words = np.zeros(2 * (len(body) // 4), dtype=np.uint32)
+        words[1::2] = np.frombuffer(body, dtype="<u4")
+        if _LITTLE:
+            words[1::2].byteswap(inplace=True)
+        return TokenIds(words.view(_U64_BE))
     if tag == _IDS_U64:
         return TokenIds(np.frombuffer(body, dtype="<u8").astype(np.uint64))
     raise ValueError(f"unknown token-id column tag {tag!r}")
