@@ -214,6 +214,10 @@ class WriteTransaction:
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
+class _FailedCaller(Exception):
+    """A caller's work failed in a batch run without savepoints."""
+
+
 class _Pending(Generic[T]):
     __slots__ = ("done", "durable", "error", "result", "work")
 
@@ -296,18 +300,21 @@ class EventLog:
             self._gathering = False
 
     def _write_batch(self, batch: list[_Pending[Any]]) -> None:
-        shared = len(batch) > 1
+        """One transaction for the batch.  Savepoints cost two statements per caller, so
+        they are used only when a first pass finds a failing caller: then the batch is
+        rolled back and run again with each caller isolated (its work only reads and writes
+        the transaction, so running it again is safe)."""
         durable = self._durable and any(pending.durable for pending in batch)
+        isolate = False
         try:
-            connection = self._writer()
-            mode_set = self._commit_mode == durable
-            self._commit_mode = durable
-            with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
-                transaction = WriteTransaction(cursor, self._statements)
-                for index, pending in enumerate(batch):
-                    self._run_one(transaction, pending, f"op{index}" if shared else None)
-                if not shared and batch[0].error is not None:
-                    raise batch[0].error  # roll the lone caller's transaction back
+            while True:
+                try:
+                    self._run_batch(batch, durable, isolate)
+                    return
+                except _FailedCaller:
+                    if len(batch) == 1 or isolate:
+                        return  # the failing caller's error is set; nothing was committed
+                    isolate = True
         except BaseException as exc:
             if not isinstance(exc, StoreError):
                 self._discard_writer()  # the connection's state is unknown after a driver error
@@ -318,6 +325,19 @@ class EventLog:
         finally:
             for pending in batch:
                 pending.done = True
+
+    def _run_batch(self, batch: list[_Pending[Any]], durable: bool, isolate: bool) -> None:
+        for pending in batch:
+            pending.error = pending.result = None
+        connection = self._writer()
+        mode_set = self._commit_mode == durable
+        self._commit_mode = durable
+        with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
+            transaction = WriteTransaction(cursor, self._statements)
+            for index, pending in enumerate(batch):
+                self._run_one(transaction, pending, f"op{index}" if isolate else None)
+                if pending.error is not None and not isolate:
+                    raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
         if savepoint is not None:
