@@ -65,8 +65,10 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
         fetched = store.fetch([record.staging_key for record in staged])
         verified = 0
         for original, snapshot in zip(staged, fetched, strict=True):
-            fields = {name: getattr(snapshot, name) for name in _DIGEST_FIELDS}
-            if compute_staging_digest(**fields) != original.digest or snapshot.digest != original.digest:
+            if (
+                compute_staging_digest(**snapshot.digest_fields()) != original.digest
+                or snapshot.digest != original.digest
+            ):
                 raise StoreError(f"{snapshot.staging_key}: digest does not verify after the round trip")
             verified += 1
         report = store.replay()
@@ -80,27 +82,6 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
         "events_in_log": report.events,
         "seconds": round(time.perf_counter() - started, 3),
     }
-
-
-_DIGEST_FIELDS = (
-    "schema_version",
-    "digest_version",
-    "extras_digest_version",
-    "rollout_id",
-    "model_call_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "weight_version",
-    "token_ids_delta",
-    "token_mask_delta",
-    "generation_log_probs_delta",
-    "extras_digest",
-    "chain_hash",
-    "cumulative_hash",
-)
 
 
 def _replay(args: argparse.Namespace) -> dict[str, Any]:

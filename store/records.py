@@ -283,7 +283,7 @@ class StagedCallBaseSnapshot(_DigestWire, frozen=True, kw_only=True):
                 raise DigestMismatchError(f"{name}: digest does not match the components it was built from")
         else:
             try:
-                computed, columns = _digest.staging_digest_and_columns(**self._digest_fields())
+                computed, columns = _digest.staging_digest_and_columns(**self.digest_fields())
             except (ValueError, TypeError) as exc:
                 raise _fail(name, str(exc)) from exc
             if computed != self.digest:
@@ -296,7 +296,8 @@ class StagedCallBaseSnapshot(_DigestWire, frozen=True, kw_only=True):
     def _check_extras(self, name: str) -> None:
         """The base snapshot does not check an extras payload (it carries none)."""
 
-    def _digest_fields(self) -> dict[str, Any]:
+    def digest_fields(self) -> dict[str, Any]:
+        """The seventeen inputs of ``compute_staging_digest`` for this record."""
         return {
             "schema_version": self.schema_version,
             "digest_version": self.digest_version,

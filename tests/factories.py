@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from store import StagedCallRecord, compute_chain_hash, hash_token_ids
+from store import (
+    FloatColumn,
+    StagedCallBaseSnapshot,
+    StagedCallRecord,
+    TokenIds,
+    compute_chain_hash,
+    hash_token_ids,
+)
 
 
 def make_record(
@@ -43,3 +50,11 @@ def make_record(
         extras=extras,
         schema_version=schema_version,
     )
+
+
+def plain_digest_fields(record: StagedCallBaseSnapshot) -> dict[str, Any]:
+    """``record.digest_fields()`` with the token columns as plain Python lists."""
+    return {
+        name: value.tolist() if isinstance(value, (TokenIds, FloatColumn)) else value
+        for name, value in record.digest_fields().items()
+    }

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from factories import plain_digest_fields
 from vectors import vectors_by_id
 
 import store as lib
@@ -154,34 +155,11 @@ def assert_nothing_staged(store: Store, key: str) -> None:
         store.fetch([key])
 
 
-def record_fields(record: lib.StagedCallBaseSnapshot) -> dict[str, Any]:
-    """Every digest input of a record, as plain Python values."""
-    return {
-        "schema_version": record.schema_version,
-        "digest_version": record.digest_version,
-        "extras_digest_version": record.extras_digest_version,
-        "rollout_id": record.rollout_id,
-        "model_call_id": record.model_call_id,
-        "parent_call_id": record.parent_call_id,
-        "mode": record.mode,
-        "prev_len": record.prev_len,
-        "delta_len": record.delta_len,
-        "cum_len": record.cum_len,
-        "weight_version": record.weight_version,
-        "token_ids_delta": list(record.token_ids_delta),
-        "token_mask_delta": list(record.token_mask_delta),
-        "generation_log_probs_delta": list(record.generation_log_probs_delta),
-        "extras_digest": record.extras_digest,
-        "chain_hash": record.chain_hash,
-        "cumulative_hash": record.cumulative_hash,
-    }
-
-
 def assert_record_equals_normal_construction(record: StagedCallRecord) -> None:
     """``from_components`` must be byte-identical to constructing the record with its digest."""
-    rebuilt = StagedCallRecord(**record_fields(record), digest=record.digest, extras=record.extras)
+    rebuilt = StagedCallRecord(**plain_digest_fields(record), digest=record.digest, extras=record.extras)
     assert lib.to_json(rebuilt) == lib.to_json(record)
-    assert compute_staging_digest(**record_fields(record)) == record.digest
+    assert compute_staging_digest(**plain_digest_fields(record)) == record.digest
 
 
 @contextmanager
@@ -685,7 +663,7 @@ def test_complete_call_computes_staging_digest_once(store: Store, monkeypatch: p
     assert len(calls) == 1, f"complete_call hashed the record {len(calls)} times"
     assert coords.staging_key is not None
     fetched = store.fetch([coords.staging_key])[0]
-    assert fetched.digest == coords.digest == compute_staging_digest(**record_fields(fetched))
+    assert fetched.digest == coords.digest == compute_staging_digest(**plain_digest_fields(fetched))
 
 
 # --- 4.9 - 4.11: failures never raise to the serving path ------------------------------------------

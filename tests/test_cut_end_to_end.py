@@ -17,17 +17,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import cut_worker
 import pytest
+from factories import plain_digest_fields
 
 from store import (
     CaptureAdmission,
     GenerationCutContinuation,
     GenerationCutReceipt,
     RolloutTokenCapture,
-    StagedCallSnapshot,
     capture_key,
     compute_chain_hash,
     compute_staging_digest,
@@ -47,28 +46,6 @@ def _worker_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _digest_inputs(record: StagedCallSnapshot) -> dict[str, Any]:
-    return {
-        "schema_version": record.schema_version,
-        "digest_version": record.digest_version,
-        "extras_digest_version": record.extras_digest_version,
-        "rollout_id": record.rollout_id,
-        "model_call_id": record.model_call_id,
-        "parent_call_id": record.parent_call_id,
-        "mode": record.mode,
-        "prev_len": record.prev_len,
-        "delta_len": record.delta_len,
-        "cum_len": record.cum_len,
-        "weight_version": record.weight_version,
-        "token_ids_delta": list(record.token_ids_delta),
-        "token_mask_delta": list(record.token_mask_delta),
-        "generation_log_probs_delta": list(record.generation_log_probs_delta),
-        "extras_digest": record.extras_digest,
-        "chain_hash": record.chain_hash,
-        "cumulative_hash": record.cumulative_hash,
-    }
 
 
 def _run_worker_until_killed(url: str) -> tuple[str, int]:
@@ -188,7 +165,7 @@ def test_cut_survives_process_kill_and_continues(store_url: str) -> None:
         keys = [parent.staging_key, *ack.staging_keys, coords.staging_key]
         records = store.fetch(keys)
         for record in records:
-            assert compute_staging_digest(**_digest_inputs(record)) == record.digest, record.staging_key
+            assert compute_staging_digest(**plain_digest_fields(record)) == record.digest, record.staging_key
         root, first_chunk, second_chunk, final = records
         assert root.parent_call_id is None and root.prev_len == 0
         assert root.chain_hash == compute_chain_hash(None, list(root.token_ids_delta))

@@ -468,7 +468,7 @@ def _same_record(decoded: StagedCallRecord, record: StagedCallRecord) -> None:
     assert decoded.digest == record.digest
     assert decoded.extras == record.extras
     assert compute_extras_digest(decoded.extras) == record.extras_digest
-    assert compute_staging_digest(**decoded._digest_fields()) == record.digest
+    assert compute_staging_digest(**decoded.digest_fields()) == record.digest
     assert decoded.token_ids_delta.tolist() == record.token_ids_delta.tolist()
     lps_bits = [struct.pack(">d", x) for x in decoded.generation_log_probs_delta]
     assert lps_bits == [struct.pack(">d", x) for x in record.generation_log_probs_delta]

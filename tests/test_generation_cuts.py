@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from factories import make_record
+from factories import make_record, plain_digest_fields
 from vectors import vectors_by_id
 
 import store as lib
@@ -32,7 +32,6 @@ from store import (
     GenerationCutPrefixAck,
     GenerationCutReceipt,
     RolloutTokenCapture,
-    StagedCallBaseSnapshot,
     StorageError,
     Store,
     UnknownKeyError,
@@ -217,28 +216,6 @@ def assert_unknown(store: Store, *keys: str) -> None:
             store.fetch([key])
 
 
-def record_fields(record: StagedCallBaseSnapshot) -> dict[str, Any]:
-    return {
-        "schema_version": record.schema_version,
-        "digest_version": record.digest_version,
-        "extras_digest_version": record.extras_digest_version,
-        "rollout_id": record.rollout_id,
-        "model_call_id": record.model_call_id,
-        "parent_call_id": record.parent_call_id,
-        "mode": record.mode,
-        "prev_len": record.prev_len,
-        "delta_len": record.delta_len,
-        "cum_len": record.cum_len,
-        "weight_version": record.weight_version,
-        "token_ids_delta": list(record.token_ids_delta),
-        "token_mask_delta": list(record.token_mask_delta),
-        "generation_log_probs_delta": list(record.generation_log_probs_delta),
-        "extras_digest": record.extras_digest,
-        "chain_hash": record.chain_hash,
-        "cumulative_hash": record.cumulative_hash,
-    }
-
-
 def spans(store: Store, rollout_id: str, model_call_id: str) -> list[tuple[int, int, int]]:
     return [(s.start, s.end, s.weight_version) for s in store.version_spans(rollout_id, model_call_id)]
 
@@ -387,7 +364,7 @@ def test_generation_cut_marks_completed_race_as_terminal_completion(rollout: Rol
     assert list(restored.token_ids_delta) == list(original.token_ids_delta) == [20, 21, 30, 31]
     assert restored.chain_hash == original.chain_hash
     assert restored.cumulative_hash == original.cumulative_hash
-    assert compute_staging_digest(**{**record_fields(original), "rollout_id": "r0-a1"}) == restored.digest
+    assert compute_staging_digest(**{**plain_digest_fields(original), "rollout_id": "r0-a1"}) == restored.digest
 
 
 def test_generation_cut_of_a_finished_call_without_evidence_is_a_durable_failure(rollout: Rollout) -> None:
@@ -664,7 +641,7 @@ def test_generation_cut_snapshot_passed_directly_is_accepted(cut: Cut) -> None:
     assert call.generation_cut is cut.snapshot
     resolved = rollout.capture.begin_call(rollout.admission("c1", attempt=1, continuation=cut.continuation))
     assert resolved.generation_cut is not None
-    assert record_fields(resolved.generation_cut) == record_fields(cut.snapshot)
+    assert plain_digest_fields(resolved.generation_cut) == plain_digest_fields(cut.snapshot)
     assert resolved.generation_cut.digest == cut.snapshot.digest == cut.continuation.digest
     info = rollout.store.call("r0-a1", "c1")
     assert info is not None and info.continues == ("r0", "c1")
@@ -932,7 +909,10 @@ def test_continued_call_record_matches_uninterrupted_call(store: Store) -> None:
     # Only identity and the version stamp may differ: with them swapped in, the digests agree.
     assert a.weight_version == 4  # the oldest contributing version, not the replacement's 5
     assert interrupted.weight_version == 4
-    assert compute_staging_digest(**{**record_fields(b), "rollout_id": a.rollout_id, "weight_version": 4}) == a.digest
+    assert (
+        compute_staging_digest(**{**plain_digest_fields(b), "rollout_id": a.rollout_id, "weight_version": 4})
+        == a.digest
+    )
     assert (interrupted.prev_len, interrupted.delta_len, interrupted.cum_len) == (3, 6, 9)
 
     # The durable cut prefix itself reproduces the conformance vector (the parent is the

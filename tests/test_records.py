@@ -402,7 +402,7 @@ def test_from_components_is_identical_to_normal_construction() -> None:
     assert to_json(normal) == to_json(record)
     assert to_msgpack(normal) == to_msgpack(record)
     assert normal == record and normal.digest == record.digest
-    assert record.digest == compute_staging_digest(**normal._digest_fields())
+    assert record.digest == compute_staging_digest(**normal.digest_fields())
     assert record.extras_digest == compute_extras_digest(record.extras)
     # delta_len and cum_len follow from the columns
     assert (record.prev_len, record.delta_len, record.cum_len) == (2, 5, 7)
@@ -460,7 +460,7 @@ def test_schema_3_records_are_accepted_and_hash_with_schema_byte_3() -> None:
     v3 = make_record(schema_version=3)
     assert v3.schema_version == 3
     assert v3.digest != v2.digest
-    fields = v3._digest_fields()
+    fields = v3.digest_fields()
     assert fields["schema_version"] == 3
     assert compute_staging_digest(**fields) == v3.digest
     assert compute_staging_digest(**{**fields, "schema_version": 2}) == v2.digest
