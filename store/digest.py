@@ -197,93 +197,23 @@ class PackedColumns:
     log_probs: FloatColumn
 
 
-def compute_staging_digest(
-    *,
-    schema_version: Any,
-    digest_version: Any,
-    extras_digest_version: Any,
-    rollout_id: Any,
-    model_call_id: Any,
-    parent_call_id: Any,
-    mode: Any,
-    prev_len: Any,
-    delta_len: Any,
-    cum_len: Any,
-    weight_version: Any,
-    token_ids_delta: Any,
-    token_mask_delta: Any,
-    generation_log_probs_delta: Any,
-    extras_digest: Any,
-    chain_hash: Any,
-    cumulative_hash: Any,
-) -> str:
-    """The staged-call digest; validation follows wire-contract 2.6 in order."""
-    digest, _ = staging_digest_and_columns(
-        schema_version=schema_version,
-        digest_version=digest_version,
-        extras_digest_version=extras_digest_version,
-        rollout_id=rollout_id,
-        model_call_id=model_call_id,
-        parent_call_id=parent_call_id,
-        mode=mode,
-        prev_len=prev_len,
-        delta_len=delta_len,
-        cum_len=cum_len,
-        weight_version=weight_version,
-        token_ids_delta=token_ids_delta,
-        token_mask_delta=token_mask_delta,
-        generation_log_probs_delta=generation_log_probs_delta,
-        extras_digest=extras_digest,
-        chain_hash=chain_hash,
-        cumulative_hash=cumulative_hash,
-    )
+def compute_staging_digest(**fields: Any) -> str:
+    """The staged-call digest of the seventeen fields of wire-contract 2.6 (validated in order)."""
+    digest, _ = staging_digest_and_columns(**fields)
     return digest
 
 
-def staging_digest_and_columns(
-    *,
-    schema_version: Any,
-    digest_version: Any,
-    extras_digest_version: Any,
-    rollout_id: Any,
-    model_call_id: Any,
-    parent_call_id: Any,
-    mode: Any,
-    prev_len: Any,
-    delta_len: Any,
-    cum_len: Any,
-    weight_version: Any,
-    token_ids_delta: Any,
-    token_mask_delta: Any,
-    generation_log_probs_delta: Any,
-    extras_digest: Any,
-    chain_hash: Any,
-    cumulative_hash: Any,
-) -> tuple[str, PackedColumns]:
-    """Validate, pack and hash in one pass; the packed columns are returned for reuse."""
+def staging_digest_and_columns(**fields: Any) -> tuple[str, PackedColumns]:
+    """Validate, pack and hash in one pass; the packed columns are returned for reuse.
+
+    Every refusal is a ``DigestValueError`` or ``DigestTypeError`` (also the builtin
+    ``ValueError``/``TypeError`` that Gym raises for the same input).
+    """
     try:
-        return _staging_digest_and_columns(
-            schema_version=schema_version,
-            digest_version=digest_version,
-            extras_digest_version=extras_digest_version,
-            rollout_id=rollout_id,
-            model_call_id=model_call_id,
-            parent_call_id=parent_call_id,
-            mode=mode,
-            prev_len=prev_len,
-            delta_len=delta_len,
-            cum_len=cum_len,
-            weight_version=weight_version,
-            token_ids_delta=token_ids_delta,
-            token_mask_delta=token_mask_delta,
-            generation_log_probs_delta=generation_log_probs_delta,
-            extras_digest=extras_digest,
-            chain_hash=chain_hash,
-            cumulative_hash=cumulative_hash,
-        )
+        return _staging_digest_and_columns(**fields)
     except (DigestValueError, DigestTypeError):
         raise
-    except TypeError as exc:  # e.g. len() of a non-sequence, arithmetic on a non-int
+    except TypeError as exc:  # a missing or unknown field, len() of a non-sequence, ...
         raise DigestTypeError(f"staged-call digest input has a wrong type: {exc}") from exc
     except ValueError as exc:
         raise DigestValueError(f"staged-call digest input is invalid: {exc}") from exc

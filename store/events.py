@@ -7,9 +7,12 @@ old log always replays under new code.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from store.records import StagedCallRecord
 
 
 class EventKind(enum.StrEnum):
@@ -47,6 +50,27 @@ class RecordBody(msgspec.Struct, kw_only=True):
     cumulative_hash: str
     extras: dict[str, Any] | None = None
     spans: list[Span] = []
+
+
+def record_body(record: StagedCallRecord, spans: list[Span]) -> RecordBody:
+    """The body of a record event: the record without its packed columns, plus its spans."""
+    return RecordBody(
+        schema_version=record.schema_version,
+        rollout_id=record.rollout_id,
+        model_call_id=record.model_call_id,
+        parent_call_id=record.parent_call_id,
+        mode=record.mode,
+        prev_len=record.prev_len,
+        delta_len=record.delta_len,
+        cum_len=record.cum_len,
+        weight_version=record.weight_version,
+        digest=record.digest,
+        extras_digest=record.extras_digest,
+        chain_hash=record.chain_hash,
+        cumulative_hash=record.cumulative_hash,
+        extras=record.extras,
+        spans=spans,
+    )
 
 
 class AdmissionBody(msgspec.Struct, kw_only=True):

@@ -16,8 +16,8 @@ from store.events import (
     EventKind,
     FailureBody,
     KeysClearedBody,
-    RecordBody,
     Span,
+    record_body,
 )
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
@@ -140,23 +140,9 @@ class Store:
             kinds = [k.value for k in _RECORD_KINDS]
             raise InvalidRecordError(f"stage() kind must be one of {kinds}, got {entry.kind!r}")
         columns = record.columns
-        spans = entry.spans
-        body = RecordBody(
-            schema_version=record.schema_version,
-            rollout_id=record.rollout_id,
-            model_call_id=record.model_call_id,
-            parent_call_id=record.parent_call_id,
-            mode=record.mode,
-            prev_len=record.prev_len,
-            delta_len=record.delta_len,
-            cum_len=record.cum_len,
-            weight_version=record.weight_version,
-            digest=record.digest,
-            extras_digest=record.extras_digest,
-            chain_hash=record.chain_hash,
-            cumulative_hash=record.cumulative_hash,
-            extras=record.extras,
-            spans=list(spans) if spans is not None else generated_spans(columns.token_mask, record.weight_version),
+        spans = list(entry.spans) if entry.spans is not None else None
+        body = record_body(
+            record, spans if spans is not None else generated_spans(columns.token_mask, record.weight_version)
         )
         return NewEvent(entry.kind, record.rollout_id, record.model_call_id, body, key, columns)
 

@@ -39,7 +39,7 @@ from _bench_common import Report, Target, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
 from store.columns import encode_floats, encode_ids, encode_mask, frame_checksum
-from store.events import RecordBody, encode_body
+from store.events import encode_body, record_body
 from store.projections import generated_spans
 
 TOKENS = 4_096
@@ -77,25 +77,7 @@ def build_records(count: int, seed: int) -> list[StagedCallRecord]:
 def raw_row(record: StagedCallRecord) -> RawRow:
     """The bytes the store keeps for ``record``: body, three packed columns, checksum."""
     columns = record.columns
-    body = encode_body(
-        RecordBody(
-            schema_version=record.schema_version,
-            rollout_id=record.rollout_id,
-            model_call_id=record.model_call_id,
-            parent_call_id=record.parent_call_id,
-            mode=record.mode,
-            prev_len=record.prev_len,
-            delta_len=record.delta_len,
-            cum_len=record.cum_len,
-            weight_version=record.weight_version,
-            digest=record.digest,
-            extras_digest=record.extras_digest,
-            chain_hash=record.chain_hash,
-            cumulative_hash=record.cumulative_hash,
-            extras=record.extras,
-            spans=generated_spans(columns.token_mask, record.weight_version),
-        )
-    )
+    body = encode_body(record_body(record, generated_spans(columns.token_mask, record.weight_version)))
     ids, mask, lps = encode_ids(columns.token_ids), encode_mask(columns.token_mask), encode_floats(columns.log_probs)
     return record.staging_key, body, ids, mask, lps, frame_checksum(body, ids, mask, lps)
 
