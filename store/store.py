@@ -140,10 +140,11 @@ class Store:
             kinds = [k.value for k in _RECORD_KINDS]
             raise InvalidRecordError(f"stage() kind must be one of {kinds}, got {entry.kind!r}")
         columns = record.columns
-        spans = list(entry.spans) if entry.spans is not None else None
-        body = record_body(
-            record, spans if spans is not None else generated_spans(columns.token_mask, record.weight_version)
-        )
+        if entry.spans is None:
+            spans = generated_spans(columns.token_mask, record.weight_version)
+        else:
+            spans = list(entry.spans)
+        body = record_body(record, spans)
         return NewEvent(entry.kind, record.rollout_id, record.model_call_id, body, key, columns)
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
