@@ -140,10 +140,8 @@ class Store:
             kinds = [k.value for k in _RECORD_KINDS]
             raise InvalidRecordError(f"stage() kind must be one of {kinds}, got {entry.kind!r}")
         columns = record.columns
-        if entry.spans is None:
-            spans = generated_spans(columns.token_mask, record.weight_version)
-        else:
-            spans = list(entry.spans)
+        default_spans = entry.spans is None  # a terminal record: its generated tokens, at its version
+        spans = generated_spans(columns.token_mask, record.weight_version) if default_spans else list(entry.spans or ())
         body = record_body(record, spans)
         return NewEvent(entry.kind, record.rollout_id, record.model_call_id, body, key, columns)
 
