@@ -161,7 +161,14 @@ def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> tuple[StagedCa
     try:
         columns = PackedColumns(decode_ids(ids), decode_mask(mask), decode_floats(lps))
         if verify_digest:
-            digest, columns = staging_digest_and_columns(**_digest_fields(body, columns))
+            digest, columns = staging_digest_and_columns(
+                **_record_fields(body),
+                digest_version=2,
+                extras_digest_version=1,
+                token_ids_delta=columns.token_ids,
+                token_mask_delta=columns.token_mask,
+                generation_log_probs_delta=columns.log_probs,
+            )
         else:
             digest = body.digest
     except (ValueError, TypeError) as exc:
@@ -169,35 +176,14 @@ def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> tuple[StagedCa
     if digest != body.digest:
         raise CorruptRecordError(f"{where} does not match its staged digest")
     try:
-        snapshot = trusted_snapshot(StagedCallSnapshot, digest, columns, **_snapshot_fields(body))
+        snapshot = trusted_snapshot(StagedCallSnapshot, digest, columns, **_record_fields(body), extras=body.extras)
         return snapshot, [tuple(span) for span in body.spans]  # type: ignore[misc]
     except InvalidRecordError as exc:
         raise CorruptRecordError(f"{where}: {exc}") from exc
 
 
-def _digest_fields(body: RecordBody, columns: PackedColumns) -> dict[str, Any]:
-    return {
-        "schema_version": body.schema_version,
-        "digest_version": 2,
-        "extras_digest_version": 1,
-        "rollout_id": body.rollout_id,
-        "model_call_id": body.model_call_id,
-        "parent_call_id": body.parent_call_id,
-        "mode": body.mode,
-        "prev_len": body.prev_len,
-        "delta_len": body.delta_len,
-        "cum_len": body.cum_len,
-        "weight_version": body.weight_version,
-        "token_ids_delta": columns.token_ids,
-        "token_mask_delta": columns.token_mask,
-        "generation_log_probs_delta": columns.log_probs,
-        "extras_digest": body.extras_digest,
-        "chain_hash": body.chain_hash,
-        "cumulative_hash": body.cumulative_hash,
-    }
-
-
-def _snapshot_fields(body: RecordBody) -> dict[str, Any]:
+def _record_fields(body: RecordBody) -> dict[str, Any]:
+    """The record's scalar fields as its event body keeps them."""
     return {
         "schema_version": body.schema_version,
         "rollout_id": body.rollout_id,
@@ -211,5 +197,4 @@ def _snapshot_fields(body: RecordBody) -> dict[str, Any]:
         "extras_digest": body.extras_digest,
         "chain_hash": body.chain_hash,
         "cumulative_hash": body.cumulative_hash,
-        "extras": body.extras,
     }
