@@ -258,7 +258,7 @@ def bench_continuation(report: Report, args: Any, folder: str, rng: np.random.Ge
             row("  resolve_continuation (fetch + concat + 3 hashes)", resolve_timing),
             row(f"    store.fetch of the {CUT_CHUNKS} chunks (checksum, decode, verify)", fetch_timing),
             [
-                "  remainder: admission event (no fsync: it holds no tokens) + checks",
+                "  remainder: admission event (no fsync), checks, memory of the kept prefix",
                 fmt_seconds(remainder),
                 "",
                 f"{remainder / base.median:.2f}x",
