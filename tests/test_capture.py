@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from capture_helpers import Versions, event_count, writes_nothing
 from factories import plain_digest_fields
 from vectors import vectors_by_id
 
@@ -50,42 +51,13 @@ VECTORS = vectors_by_id()
 
 
 def vector(case_id: str) -> dict[str, Any]:
-    if case_id not in VECTORS:
-        pytest.skip(f"conformance vector {case_id} is not available")
+    assert case_id in VECTORS, f"conformance vector {case_id} is missing from the vector file"
     return VECTORS[case_id]
-
-
-class Versions:
-    """A mutable policy-version provider that counts its calls."""
-
-    def __init__(self, value: Any = 7) -> None:
-        self.value = value
-        self.calls = 0
-
-    def __call__(self) -> Any:
-        self.calls += 1
-        return self.value
 
 
 def make_capture(store: Store, version: Any = 7, **kwargs: Any) -> tuple[RolloutTokenCapture, Versions]:
     versions = Versions(version)
     return RolloutTokenCapture(store=store, weight_version_fn=versions, **kwargs), versions
-
-
-def event_count(store: Store) -> int:
-    report = store.replay()
-    assert report.ok, report.summary()
-    return report.events
-
-
-@contextmanager
-def writes_nothing(store: Store, *calls: tuple[str, str]) -> Iterator[None]:
-    """The block may raise, but it must not append an event or create a calls row."""
-    before = event_count(store)
-    yield
-    assert event_count(store) == before, "a refused admission must not write to the log"
-    for rollout_id, model_call_id in calls:
-        assert store.call(rollout_id, model_call_id) is None
 
 
 def root_admission(rollout_id: str = "r0", model_call_id: str = "c0") -> CaptureAdmission:

@@ -1,0 +1,38 @@
+"""Helpers shared by the capture and generation-cut tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from store import Store
+
+
+class Versions:
+    """A mutable policy-version provider that counts its calls."""
+
+    def __init__(self, value: Any = 7) -> None:
+        self.value = value
+        self.calls = 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        return self.value
+
+
+def event_count(store: Store) -> int:
+    """Events in the log (and the projections still match it)."""
+    report = store.replay()
+    assert report.ok, report.summary()
+    return report.events
+
+
+@contextmanager
+def writes_nothing(store: Store, *calls: tuple[str, str]) -> Iterator[None]:
+    """The block may raise, but it must not append an event or create a calls row."""
+    before = event_count(store)
+    yield
+    assert event_count(store) == before, "a refusal must not write to the log"
+    for rollout_id, model_call_id in calls:
+        assert store.call(rollout_id, model_call_id) is None
