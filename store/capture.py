@@ -337,7 +337,12 @@ class RolloutTokenCapture:
                 return self._failed(call, f"building the record failed: {exc}")
             call.claim_completion()
             try:
-                result = self.store.stage(record, kind=EventKind.CALL_COMPLETED, spans=self.record_spans(call, record))
+                result = self.store.stage(
+                    record,
+                    kind=EventKind.CALL_COMPLETED,
+                    spans=self.record_spans(call, record),
+                    completion=gate.completion(),
+                )
             except Exception as exc:  # the sink failed: poison the capture, still serve the response
                 return self._failed(call, f"staging failed: {type(exc).__name__}: {exc}")
             if not isinstance(result, StageResult) or not result.ok or result.staging_key is None:

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,8 +25,9 @@ from store.cut_records import (
 )
 from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
 from store.errors import CaptureError, GenerationCutError, StoreError, UnknownKeyError
-from store.events import EventKind, Span
+from store.events import Completion, EventKind, Span
 from store.projections import generated_spans
+from store.queries import StoredCompletion
 from store.records import (
     CaptureAdmission,
     CommitCoords,
@@ -264,12 +265,25 @@ class LiveCall:
 class _Evidence:
     """What a cut needs to acknowledge a call that completed before the cut reached it."""
 
-    coords: CommitCoords
+    staging_key: str
+    digest: str
     generated_tokens: int
     effective_output_limit: int | None
     finish_reason: str | None
     stop_reason: str | int | None
-    at: float = field(default_factory=time.monotonic)
+    at: float  # wall-clock completion time
+
+    @classmethod
+    def stored(cls, completion: StoredCompletion) -> _Evidence:
+        return cls(
+            completion.staging_key,
+            completion.digest,
+            completion.generated_tokens,
+            completion.effective_output_limit,
+            completion.finish_reason,
+            completion.stop_reason,
+            completion.recorded_at,
+        )
 
 
 @dataclass
@@ -283,6 +297,17 @@ class _TerminalGate:
     def __init__(self, server: CutServer, live: LiveCall | None) -> None:
         self._server = server
         self._live = live
+
+    def completion(self) -> Completion | None:
+        """How the tracked call finished, kept with its terminal record (None if untracked)."""
+        live = self._live
+        if live is None:
+            return None
+        return Completion(
+            effective_output_limit=live.effective_output_limit,
+            finish_reason=live.finish_reason,
+            stop_reason=live.stop_reason,
+        )
 
     def completed(self, coords: CommitCoords, generated_tokens: int) -> None:
         self._server.completed(self._live, coords, generated_tokens)
@@ -360,10 +385,17 @@ class CutServer:
         if live is None:
             return
         key = (live.call.capture_key, live.call.model_call_id)
-        with self._registry:
-            self._evidence[key] = _Evidence(
-                coords, generated_tokens, live.effective_output_limit, live.finish_reason, live.stop_reason
-            )
+        if coords.staging_key is not None and coords.digest is not None:
+            with self._registry:
+                self._evidence[key] = _Evidence(
+                    coords.staging_key,
+                    coords.digest,
+                    generated_tokens,
+                    live.effective_output_limit,
+                    live.finish_reason,
+                    live.stop_reason,
+                    time.time(),
+                )
         obsolete = [k for k in live.own_keys if k not in live.acknowledged]
         try:
             self._store.clear_keys(key[0], key[1], obsolete, "obsolete after completion")
@@ -371,11 +403,18 @@ class CutServer:
             log.exception("clearing obsolete chunk keys of %s/%s failed; the completion stands", *key)
 
     def _fresh_evidence(self, key: tuple[str, str]) -> _Evidence | None:
+        """Completion evidence at most ``evidence_ttl`` old: kept in memory, else read from the log
+        (so a restarted worker can still acknowledge a call its predecessor completed)."""
+        now = time.time()
         with self._registry:
-            now = time.monotonic()
             for stale in [k for k, e in self._evidence.items() if now - e.at > self._evidence_ttl]:
                 del self._evidence[stale]
-            return self._evidence.get(key)
+            evidence = self._evidence.get(key)
+        if evidence is None:
+            stored = self._store.completion(*key)
+            if stored is not None and now - stored.recorded_at <= self._evidence_ttl:
+                evidence = _Evidence.stored(stored)
+        return evidence
 
     # serving a cut (5.5) ----------------------------------------------------------------------
 
@@ -485,22 +524,16 @@ class CutServer:
     def _terminal_ack(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> GenerationCutPrefixAck:
         identity = _identity(prefix)
         evidence = self._fresh_evidence((prefix.capture_key, prefix.model_call_id))
-        if (
-            evidence is None
-            or evidence.coords.disposition != "staged"
-            or evidence.effective_output_limit is None
-            or evidence.finish_reason is None
-            or evidence.coords.staging_key is None
-        ):
+        if evidence is None or evidence.effective_output_limit is None or evidence.finish_reason is None:
             return GenerationCutPrefixAck(**identity, disposition="durable_failure")
         return GenerationCutPrefixAck(
             **identity,
             disposition="durable_prefix",
             cut_kind="terminal_completion",
             frozen_buffer_id=f"terminal/{checkpoint_id}",
-            staging_keys=(evidence.coords.staging_key,),
+            staging_keys=(evidence.staging_key,),
             prefix_token_count=evidence.generated_tokens,
-            prefix_digest=evidence.coords.digest,
+            prefix_digest=evidence.digest,
             effective_output_limit=evidence.effective_output_limit,
             terminal_finish_reason=evidence.finish_reason,  # type: ignore[arg-type]
             terminal_stop_reason=evidence.stop_reason,

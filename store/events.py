@@ -32,6 +32,14 @@ RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, Event
 Span = tuple[int, int, int]
 
 
+class Completion(msgspec.Struct, kw_only=True):
+    """How a tracked call finished: what a later cut needs to acknowledge it from the log."""
+
+    effective_output_limit: int | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
 class RecordBody(msgspec.Struct, kw_only=True):
     """A staged record without its token columns (those are stored packed beside it)."""
 
@@ -50,9 +58,10 @@ class RecordBody(msgspec.Struct, kw_only=True):
     cumulative_hash: str
     extras: dict[str, Any] | None = None
     spans: list[Span] = []
+    completion: Completion | None = None
 
 
-def record_body(record: StagedCallRecord, spans: list[Span]) -> RecordBody:
+def record_body(record: StagedCallRecord, spans: list[Span], completion: Completion | None = None) -> RecordBody:
     """The body of a record event: the record without its packed columns, plus its spans."""
     return RecordBody(
         schema_version=record.schema_version,
@@ -70,6 +79,7 @@ def record_body(record: StagedCallRecord, spans: list[Span]) -> RecordBody:
         cumulative_hash=record.cumulative_hash,
         extras=record.extras,
         spans=spans,
+        completion=completion,
     )
 
 

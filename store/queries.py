@@ -75,6 +75,19 @@ class CallInfo:
         )
 
 
+@dataclass(frozen=True)
+class StoredCompletion:
+    """A call's terminal record as the log holds it, with how the call finished (if known)."""
+
+    staging_key: str
+    digest: str
+    generated_tokens: int
+    effective_output_limit: int | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    recorded_at: float
+
+
 class Reader:
     """Read queries over pooled connections; driver errors become ``StorageError``."""
 
@@ -134,6 +147,34 @@ class Reader:
             query = query.where(calls.c.rollout_id == rollout_id)
         with self.connection("reading calls") as connection:
             return [CallInfo.from_state(CallState.from_row(row)) for row in connection.execute(query)]
+
+    def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
+        events = schema.events
+        query = (
+            sa.select(events.c.staging_key, events.c.body, events.c.recorded_at)
+            .where(
+                events.c.rollout_id == rollout_id,
+                events.c.model_call_id == model_call_id,
+                events.c.kind == EventKind.CALL_COMPLETED.value,
+            )
+            .order_by(events.c.seq.desc())
+            .limit(1)
+        )
+        with self.connection("reading a call's completion") as connection:
+            row = connection.execute(query).first()
+        if row is None:
+            return None
+        body: RecordBody = decode_body(EventKind.CALL_COMPLETED, bytes(row.body))
+        completion = body.completion
+        return StoredCompletion(
+            staging_key=row.staging_key,
+            digest=body.digest,
+            generated_tokens=sum(end - start for start, end, _ in body.spans),
+            effective_output_limit=completion.effective_output_limit if completion else None,
+            finish_reason=completion.finish_reason if completion else None,
+            stop_reason=completion.stop_reason if completion else None,
+            recorded_at=row.recorded_at,
+        )
 
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         receipts, events = schema.cut_receipts, schema.events

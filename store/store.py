@@ -12,6 +12,7 @@ from store.engine import create_store_engine, migrate, resolve_url
 from store.errors import InvalidRecordError, StagingRefusedError, StoreClosedError
 from store.events import (
     AdmissionBody,
+    Completion,
     CutReceiptBody,
     EventKind,
     FailureBody,
@@ -21,7 +22,7 @@ from store.events import (
 )
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
-from store.queries import CallInfo, Reader, VersionSpan
+from store.queries import CallInfo, Reader, StoredCompletion, VersionSpan
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
 
@@ -36,6 +37,7 @@ class StageEntry:
     staging_key: str | None = None
     kind: EventKind = EventKind.CALL_COMPLETED
     spans: Sequence[Span] | None = None
+    completion: Completion | None = None
 
 
 class Store:
@@ -83,6 +85,7 @@ class Store:
         staging_key: str | None = None,
         kind: EventKind = EventKind.CALL_COMPLETED,
         spans: Sequence[Span] | None = None,
+        completion: Completion | None = None,
     ) -> StageResult:
         """Stage ``record`` durably; returns only after the commit.
 
@@ -92,7 +95,7 @@ class Store:
         is a call's terminal record, its generated tokens produced by its weight version.
         """
         self._ready()
-        event = self._record_event(StageEntry(record, staging_key, kind, spans))
+        event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
         return self._log.write(lambda tx: _stage(tx, event, record.digest))
 
     def stage_all(
@@ -142,7 +145,7 @@ class Store:
         columns = record.columns
         default_spans = entry.spans is None  # a terminal record: its generated tokens, at its version
         spans = generated_spans(columns.token_mask, record.weight_version) if default_spans else list(entry.spans or ())
-        body = record_body(record, spans)
+        body = record_body(record, spans, entry.completion)
         return NewEvent(entry.kind, record.rollout_id, record.model_call_id, body, key, columns)
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
@@ -212,6 +215,11 @@ class Store:
 
         if wanted:
             self._log.write(work, durable=False)  # a key that reappears after power loss is harmless
+
+    def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
+        """The call's latest terminal record: its key, digest, generated count and how it finished."""
+        self._ready()
+        return self._reader.completion(rollout_id, model_call_id)
 
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         """The receipt (JSON) already returned for this inventory, if any."""

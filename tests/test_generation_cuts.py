@@ -1425,3 +1425,29 @@ def test_terminal_row_with_newer_tokens_is_not_restored_at_an_older_version(roll
     # ... and so must they be when restored from the terminal row that holds them.
     with writes_nothing(rollout.store, ("r0-a2", "c1")), pytest.raises(CaptureError, match="newer"):
         rollout.restore(ack, attempt=2, track=False)
+
+
+def test_generation_cut_recovers_terminal_evidence_from_the_log_after_a_restart(rollout: Rollout) -> None:
+    store, capture = rollout.store, rollout.capture
+    call = rollout.live_call()
+    capture.observe(call, [30, 31], [-0.5, -0.75], finish_reason="length")
+    coords = capture.complete_call(
+        call, prompt_token_ids=[*rollout.prefix, 20, 21], generated_token_ids=[30, 31], generated_logprobs=[-0.5, -0.75]
+    )
+    # A new capture has no completion evidence in memory: it reads the completed event.
+    restarted = rollout.new_capture()
+    ack = only_ack(restarted.serve_generation_cut(inventory("checkpoint-1")))
+    assert ack.disposition == "durable_prefix" and ack.cut_kind == "terminal_completion"
+    assert ack.staging_keys == ("r0/c1",) and ack.prefix_digest == coords.digest
+    assert ack.prefix_token_count == 2 and ack.effective_output_limit == 10
+    assert ack.terminal_finish_reason == "length"
+    rollout.capture = restarted
+    replacement = rollout.restore(ack, attempt=1, track=False)
+    assert replacement.continuation is not None and replacement.continuation.is_terminal
+    final = restarted.finish_restored_call(replacement)
+    assert final.disposition == "staged" and final.digest != coords.digest  # the replacement's identity
+    # Evidence older than the retention window is not used, from memory or from the log.
+    stale = rollout.new_capture(completion_evidence_ttl=0.0)
+    expired = only_ack(stale.serve_generation_cut(inventory("checkpoint-2")))
+    assert expired.disposition == "durable_failure"
+    assert store.replay().ok
