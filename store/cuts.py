@@ -24,7 +24,7 @@ from store.cut_records import (
     chunk_staging_key,
 )
 from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
-from store.errors import CaptureError, GenerationCutError, StoreError, UnknownKeyError
+from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError, UnknownKeyError
 from store.events import Completion, EventKind, Span
 from store.projections import generated_spans
 from store.queries import StoredCompletion
@@ -572,8 +572,10 @@ class CutServer:
                 live.rollback()
                 return False
             self._store.stage_all([entry])
-        except Exception:
+        except Exception as exc:
             live.rollback()
+            if isinstance(exc, StoreClosedError):
+                raise
             log.exception("periodic flush of %s failed; its tokens stay buffered", live.call)
             return False
         live.seal(entry.staging_key)
@@ -583,6 +585,8 @@ class CutServer:
         while not self._stop.wait(interval):
             try:
                 self.flush_due()
+            except StoreClosedError:
+                return  # the store went away under the capture: nothing left to flush into
             except Exception:  # a flush pass never takes the worker down
                 log.exception("periodic flush pass failed")
 

@@ -1451,3 +1451,20 @@ def test_generation_cut_recovers_terminal_evidence_from_the_log_after_a_restart(
     expired = only_ack(stale.serve_generation_cut(inventory("checkpoint-2")))
     assert expired.disposition == "durable_failure"
     assert store.replay().ok
+
+
+def test_periodic_flush_thread_stops_when_the_store_is_closed(store_url: str) -> None:
+    store = open_store(store_url)
+    capture = RolloutTokenCapture(
+        store=store, weight_version_fn=lambda: 1, flush_threshold_tokens=1, flush_interval=0.01
+    )
+    call = capture.begin_call(CaptureAdmission(rollout_id="r0", model_call_id="c1", mode="text"))
+    capture.track(call, prompt_token_ids=[1, 2], effective_output_limit=8)
+    store.close()
+    capture.observe(call, [3], [-0.5])
+    flusher = capture.cuts._flusher
+    assert flusher is not None
+    flusher.join(timeout=5)
+    assert not flusher.is_alive(), "the flush thread kept running against a closed store"
+    assert call.completed is False
+    capture.close()
