@@ -15,6 +15,7 @@ import numpy as np
 
 from store.columns import FloatColumn, carry_count
 from store.events import (
+    RECORD_KINDS,
     AdmissionBody,
     CutReceiptBody,
     EventKind,
@@ -203,7 +204,7 @@ def _generated(spans: Any) -> int:
 
 def fold_keys(event: Event) -> tuple[dict[str, KeyState], list[str]]:
     """Keys the event adds, and keys it withdraws."""
-    if event.kind in (EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED):
+    if event.kind in RECORD_KINDS:
         assert event.staging_key is not None
         body = event.body
         return {event.staging_key: KeyState(event.seq, event.rollout_id, event.model_call_id, body.digest)}, []

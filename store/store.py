@@ -11,6 +11,7 @@ from types import TracebackType
 from store.engine import create_store_engine, migrate, resolve_url
 from store.errors import InvalidRecordError, StagingRefusedError, StoreClosedError
 from store.events import (
+    RECORD_KINDS,
     AdmissionBody,
     Completion,
     CutReceiptBody,
@@ -25,8 +26,6 @@ from store.projections import RECEIPT_STREAM, generated_spans
 from store.queries import CallInfo, Reader, StoredCompletion, VersionSpan
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
-
-_RECORD_KINDS = (EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED)
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,8 @@ class Store:
         key = record.staging_key if entry.staging_key is None else entry.staging_key
         if not isinstance(key, str) or not key:
             raise InvalidRecordError(f"staging_key must be a non-empty string, got {key!r}")
-        if entry.kind not in _RECORD_KINDS:
-            kinds = [k.value for k in _RECORD_KINDS]
+        if entry.kind not in RECORD_KINDS:
+            kinds = sorted(k.value for k in RECORD_KINDS)
             raise InvalidRecordError(f"stage() kind must be one of {kinds}, got {entry.kind!r}")
         columns = record.columns
         default_spans = entry.spans is None  # a terminal record: its generated tokens, at its version
@@ -225,20 +224,6 @@ class Store:
         """The receipt (JSON) already returned for this inventory, if any."""
         self._ready()
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
-
-    def record_cut_receipt(self, checkpoint_id: str, inventory_digest: str, receipt: bytes) -> bytes:
-        """Keep the receipt; if another worker recorded one first, that one is returned."""
-        self._ready()
-        body = CutReceiptBody(checkpoint_id=checkpoint_id, inventory_digest=inventory_digest, receipt=receipt)
-
-        def work(tx: WriteTransaction) -> bytes:
-            if tx.receipt_seq(checkpoint_id, inventory_digest) is not None:
-                return b""
-            tx.append(NewEvent(EventKind.CUT_RECEIPT, RECEIPT_STREAM, checkpoint_id, body))
-            return receipt
-
-        stored = self._log.write(work)
-        return stored or (self.cut_receipt(checkpoint_id, inventory_digest) or receipt)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
