@@ -1,8 +1,11 @@
 """A child-process program for the multi-process tests (not a test module).
 
     python tests/stage_worker.py stage URL PREFIX COUNT [--threads N] [--durability D] [--start-at T]
+                                    [--writer TAG]
         Stage COUNT records (rollout ``PREFIX``, calls ``c0``, ``c1``, ...; COUNT 0 means
         "until killed"), printing ``ACK <key>`` (flushed) only after ``stage()`` returned ok.
+        With ``--writer``, the records carry TAG in their extras (so two writers' records
+        under one key conflict), and a refused key prints ``REFUSED <key>`` and goes on.
     python tests/stage_worker.py open URL [--start-at T]
         Open (creating and migrating) the store and print ``OPENED <revision>``.
 
@@ -41,13 +44,13 @@ def wait_until(start_at: float | None) -> None:
             time.sleep(delay)
 
 
-def record_for(prefix: str, index: int):  # type: ignore[no-untyped-def]
+def record_for(prefix: str, index: int, writer: str | None = None):  # type: ignore[no-untyped-def]
     return make_record(
         rollout_id=prefix,
         model_call_id=f"c{index}",
         prompt=(1, 2, 3, index % 1000),
         generated=tuple(range(index % 50 + 1)),
-        extras={"index": index, "writer": prefix},
+        extras={"index": index, "writer": writer or prefix},
     )
 
 
@@ -65,8 +68,11 @@ def stage(args: argparse.Namespace) -> int:
                     index = next(counter, None)
                 if index is None:
                     return
-                record = record_for(args.prefix, index)
+                record = record_for(args.prefix, index, args.writer)
                 result = store.stage(record)
+                if not result.ok and args.writer is not None:
+                    emit(f"REFUSED {record.staging_key}")
+                    continue
                 if not result.ok:
                     failures.append(f"{record.staging_key}: {result.error}")
                     emit(f"FAIL {record.staging_key} {result.error}")
@@ -99,6 +105,7 @@ def main() -> int:
     stage_parser.add_argument("--threads", type=int, default=1)
     stage_parser.add_argument("--durability", default="full")
     stage_parser.add_argument("--start-at", type=float, default=None)
+    stage_parser.add_argument("--writer", default=None)
     open_parser = sub.add_parser("open")
     open_parser.add_argument("url")
     open_parser.add_argument("--start-at", type=float, default=None)

@@ -293,6 +293,48 @@ def test_two_processes_stage_into_one_store_at_once(store_url: str, workers: lis
     assert pids == {w.proc.pid for w in workers}
 
 
+def test_processes_staging_conflicting_records_under_the_same_keys(store_url: str, workers: list[Worker]) -> None:
+    """Two processes stage different records under the same keys: each key has exactly one
+    winner, the loser is told, and what is stored is the winner's record."""
+    count = 40
+    start_at = time.time() + 2.0
+    writers = ("writer-a", "writer-b")
+    for writer in writers:
+        workers.append(
+            Worker(
+                "stage",
+                store_url,
+                "shared",
+                str(count),
+                "--threads",
+                "2",
+                "--start-at",
+                str(start_at),
+                "--writer",
+                writer,
+            )
+        )
+    winners: dict[str, str] = {}
+    for worker, writer in zip(workers, writers, strict=True):
+        lines = worker.all_lines()
+        stderr = worker.finish()
+        assert worker.proc.returncode == 0, f"worker failed:\n{lines[-5:]}\n{stderr}"
+        assert lines[-1] == "DONE"
+        for line in lines:
+            verb, _, key = line.partition(" ")
+            if verb == "ACK":
+                assert key not in winners, f"{key} was acknowledged to both writers"
+                winners[key] = writer
+    assert len(winners) == count, "every key must have exactly one acknowledged writer"
+    with open_store(store_url) as opened:
+        keys = sorted(winners)
+        for key, snapshot in zip(keys, opened.fetch(keys), strict=True):
+            assert snapshot.extras is not None and snapshot.extras["writer"] == winners[key]
+        report = opened.replay()
+        assert report.ok, report.summary()
+        assert report.events == count  # the losers wrote nothing
+
+
 def test_sigkill_while_staging_loses_no_acknowledged_record(tmp_path: Path, workers: list[Worker]) -> None:
     path = str(tmp_path / "killed.db")
     acknowledged: list[str] = []

@@ -1,0 +1,470 @@
+"""Random sequences of worker operations against a small in-memory model (issue 6, fault test 1).
+
+A hypothesis ``RuleBasedStateMachine`` drives one store and one worker capture through
+admissions, decoding, cuts (also two at once over shared calls), periodic flushes,
+completions, failures, crashes (all process state dropped, the store reopened), restores
+that continue a cut call as the next attempt, replays and forks.  After every step:
+
+* every acknowledged key fetches and verifies as *its* record (rollout, call, digest, tokens);
+* the projections equal a replay of the log;
+* keys a completion withdrew are gone;
+* a continued call's record carries the oldest policy version of its parts;
+* sequence numbers only grow.
+
+Every operation a later issue adds (audit, retention, coordinator) joins this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from factories import make_record
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from store import (
+    ActiveCall,
+    CaptureAdmission,
+    GenerationCutContinuation,
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    RolloutTokenCapture,
+    Store,
+    UnknownKeyError,
+    capture_key,
+    open_store,
+    to_json,
+)
+
+OUTPUT_LIMIT = 48
+FLUSH_THRESHOLD = 3
+JOIN_SECONDS = 30.0  # a hang fails the step instead of hanging the run
+
+
+@dataclass
+class Expected:
+    """What an acknowledged key must fetch as."""
+
+    rollout_id: str
+    model_call_id: str
+    digest: str | None = None  # known for terminal records; cut chunks are checked by restore
+    token_ids: list[int] | None = None
+    weight_version: int | None = None
+
+
+@dataclass
+class LiveModel:
+    """The model of one in-flight call."""
+
+    rollout_id: str  # the rollout (without attempt)
+    attempt: int
+    model_call_id: str
+    call: ActiveCall
+    prompt: list[int]  # engine prompt: carried tokens, plus restored tokens when continued
+    restored: list[int] = field(default_factory=list)  # generated tokens restored from a cut
+    generated: list[int] = field(default_factory=list)  # tokens decoded by this attempt
+    version: int = 0  # this attempt's stamped policy version
+    oldest_version: int = 0  # the oldest policy version of its parts
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return capture_key(self.rollout_id, self.attempt), self.model_call_id
+
+
+@dataclass
+class LostCall:
+    """A live call whose process died; restorable when a cut acknowledged a durable prefix."""
+
+    model: LiveModel
+    ack: GenerationCutPrefixAck
+    tokens: list[int]  # carry + restored + generated tokens the ack made durable
+
+
+def has_live(machine: StoreMachine) -> bool:
+    return bool(machine.live)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    steps: ClassVar[Counter[str]] = Counter()  # rules run, over every sequence (for the soak's report)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.folder = tempfile.mkdtemp(prefix="store-machine-")
+        self.path = os.path.join(self.folder, "store.db")
+        self.version = 3
+        self._open()
+        self.acked: dict[str, Expected] = {}
+        self.cleared: set[str] = set()
+        self.live: dict[tuple[str, str], LiveModel] = {}
+        self.acks: dict[tuple[str, str], tuple[GenerationCutPrefixAck, list[int]]] = {}
+        self.lost: list[LostCall] = []
+        self.receipts: list[tuple[GenerationCutInventory, bytes]] = []
+        self.counter = 0
+        self.last_seq = 0
+
+    def _open(self) -> None:
+        self.store: Store = open_store(self.path)
+        self.capture = RolloutTokenCapture(
+            store=self.store,
+            weight_version_fn=lambda: self.version,
+            flush_threshold_tokens=FLUSH_THRESHOLD,
+            flush_interval=3600.0,  # passes run only when a rule calls flush_due()
+        )
+
+    def _next(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def teardown(self) -> None:
+        self.steps["sequences"] += 1
+        self.capture.close()
+        self.store.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # --- rules ---------------------------------------------------------------------------------
+
+    def _pick(self, data: st.DataObject) -> LiveModel:
+        return self.live[data.draw(st.sampled_from(sorted(self.live)))]
+
+    def _picks(self, data: st.DataObject, min_size: int) -> list[tuple[str, str]]:
+        keys = sorted(self.live)
+        return data.draw(st.lists(st.sampled_from(keys), min_size=min_size, max_size=min(4, len(keys)), unique=True))
+
+    @initialize(prompt=st.lists(st.integers(0, 2**32), min_size=1, max_size=4))
+    def first_call(self, prompt: list[int]) -> None:
+        self.admit(prompt)
+
+    @rule(prompt=st.lists(st.integers(0, 2**32), min_size=1, max_size=4))
+    def admit(self, prompt: list[int]) -> None:
+        self.steps["admit"] += 1
+        rollout_id, call_id = self._next("r"), "c0"
+        call = self.capture.begin_call(CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text"))
+        self.capture.track(call, prompt_token_ids=prompt, effective_output_limit=OUTPUT_LIMIT)
+        model = LiveModel(rollout_id, 0, call_id, call, list(prompt), version=self.version, oldest_version=self.version)
+        self.live[model.key] = model
+
+    @precondition(has_live)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=5))
+    def observe(self, data: st.DataObject, tokens: list[int]) -> None:
+        self.steps["observe"] += 1
+        model = self._pick(data)
+        room = OUTPUT_LIMIT - len(model.restored) - len(model.generated)
+        tokens = tokens[:room]
+        self.capture.observe(model.call, tokens, [-(t % 7) / 4 for t in tokens])
+        model.generated += tokens
+
+    @rule()
+    def bump_version(self) -> None:
+        self.steps["bump_version"] += 1
+        self.version += 1
+
+    @rule()
+    def flush(self) -> None:
+        self.steps["flush"] += 1
+        self.capture.flush_due()
+
+    @precondition(has_live)
+    @rule(data=st.data(), include_done=st.booleans())
+    def cut(self, data: st.DataObject, include_done: bool) -> None:
+        self.steps["cut"] += 1
+        keys = self._picks(data, 1)
+        inventory = self._inventory(keys, include_done, reverse=False)
+        receipt = self.capture.serve_generation_cut(inventory)
+        self._note_receipt(inventory, receipt)
+
+    @precondition(lambda self: len(self.live) >= 2)
+    @rule(data=st.data())
+    def two_cuts_at_once(self, data: st.DataObject) -> None:
+        self.steps["two_cuts_at_once"] += 1
+        keys = self._picks(data, 2)
+        inventories = [self._inventory(keys, False, reverse=False), self._inventory(keys, False, reverse=True)]
+        receipts: list[GenerationCutReceipt | BaseException | None] = [None, None]
+
+        def serve(index: int) -> None:
+            try:
+                receipts[index] = self.capture.serve_generation_cut(inventories[index])
+            except BaseException as exc:  # reported below
+                receipts[index] = exc
+
+        threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(2)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often, so the two cuts interleave
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(JOIN_SECONDS)
+        finally:
+            sys.setswitchinterval(interval)
+        assert not any(thread.is_alive() for thread in threads), "two concurrent cuts deadlocked"
+        for inventory, receipt in zip(inventories, receipts, strict=True):
+            assert isinstance(receipt, GenerationCutReceipt), receipt
+            self._note_receipt(inventory, receipt)
+
+    def _inventory(self, keys: list[tuple[str, str]], include_done: bool, *, reverse: bool) -> GenerationCutInventory:
+        """An inventory naming ``keys`` (ticket order reversed on request, so locks are taken in another order)."""
+        chosen = [key for key in keys if key in self.live]
+        if include_done:
+            chosen += [key for key in self.acked_terminal_calls() if key not in chosen][:2]
+        checkpoint = self._next("ckpt-")
+        prefixes = []
+        ordered = list(reversed(chosen)) if reverse else chosen
+        for index, (capture, call_id) in enumerate(ordered):
+            rollout_id, attempt = _split_capture_key(capture)
+            prefixes.append(
+                GenerationCutPrefix(
+                    ticket_id=f"t{index:03d}",
+                    rollout_id=rollout_id,
+                    attempt_index=attempt,
+                    model_call_id=call_id,
+                    admitted_at=1000.0 + index,
+                )
+            )
+        return GenerationCutInventory.build(checkpoint_id=checkpoint, server_name="policy", active_prefixes=prefixes)
+
+    def acked_terminal_calls(self) -> list[tuple[str, str]]:
+        return [
+            (expected.rollout_id, expected.model_call_id)
+            for key, expected in self.acked.items()
+            if not key.startswith("__") and expected.digest is not None
+        ]
+
+    def _note_receipt(self, inventory: GenerationCutInventory, receipt: GenerationCutReceipt) -> None:
+        receipt.validate_for(inventory)
+        self.receipts.append((inventory, to_json(receipt)))
+        for ack in receipt.prefixes:
+            if ack.disposition != "durable_prefix":
+                continue
+            key = (capture_key(ack.rollout_id, ack.attempt_index), ack.model_call_id)
+            for staging_key in ack.staging_keys:
+                self.acked.setdefault(staging_key, Expected(key[0], key[1]))
+                self.cleared.discard(staging_key)
+            model = self.live.get(key)
+            if ack.cut_kind == "active_prefix" and model is not None:
+                assert ack.prefix_token_count is not None
+                durable = ack.prefix_token_count - len(model.restored)
+                tokens = [*model.prompt, *model.generated[:durable]]
+                previous = self.acks.get(key)
+                if previous is None or len(previous[0].staging_keys) <= len(ack.staging_keys):
+                    self.acks[key] = (ack, tokens)
+
+    @precondition(has_live)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 2**32), max_size=3))
+    def complete(self, data: st.DataObject, tail: list[int]) -> None:
+        self.steps["complete"] += 1
+        model = self._pick(data)
+        key = model.key
+        del self.live[key]
+        self.acks.pop(key, None)
+        tail = tail[: OUTPUT_LIMIT - len(model.restored) - len(model.generated)]
+        generated = [*model.generated, *tail]
+        self.capture.observe(model.call, tail, [-(t % 7) / 4 for t in tail], finish_reason="stop")
+        live = self.capture.cuts.live(model.call)
+        own = [] if live is None else [k for k in live.own_keys if k not in live.acknowledged]
+        coords = self.capture.complete_call(
+            model.call,
+            prompt_token_ids=model.prompt,
+            generated_token_ids=generated,
+            generated_logprobs=[-(t % 7) / 4 for t in generated],
+        )
+        assert coords.disposition == "staged", coords
+        assert coords.staging_key == f"{key[0]}/{key[1]}"
+        assert coords.weight_version == model.oldest_version
+        self.acked[coords.staging_key] = Expected(
+            key[0],
+            key[1],
+            digest=coords.digest,
+            token_ids=[*model.prompt, *generated],
+            weight_version=model.oldest_version,
+        )
+        for withdrawn in own:
+            self.cleared.add(withdrawn)
+            self.acked.pop(withdrawn, None)
+
+    @precondition(has_live)
+    @rule(data=st.data())
+    def fail(self, data: st.DataObject) -> None:
+        self.steps["fail"] += 1
+        model = self._pick(data)
+        key = model.key
+        del self.live[key]
+        self.acks.pop(key, None)
+        coords = self.capture.fail_call(model.call, reason="the engine gave up")
+        assert coords.disposition == "capture_failed"
+        info = self.store.call(*key)
+        assert info is not None and info.state == "failed"
+
+    @rule()
+    def crash(self) -> None:
+        """Drop all process state: live calls die; those with an acknowledged cut can be restored."""
+        self.steps["crash"] += 1
+        for key, model in self.live.items():
+            acked = self.acks.get(key)
+            if acked is not None:
+                self.lost.append(LostCall(model, acked[0], acked[1]))
+        self.live.clear()
+        self.acks.clear()
+        self.capture.close()
+        self.store.close()
+        self._open()
+
+    @precondition(lambda self: bool(self.lost))
+    @rule(data=st.data())
+    def restore(self, data: st.DataObject) -> None:
+        """Continue a lost call's acknowledged cut as the next attempt, resolved from the log."""
+        self.steps["restore"] += 1
+        lost = self.lost.pop(data.draw(st.integers(0, len(self.lost) - 1)))
+        source, ack = lost.model, lost.ack
+        assert ack.prefix_digest is not None and ack.prefix_token_count is not None
+        assert ack.effective_output_limit is not None
+        continuation = GenerationCutContinuation(
+            source_capture_key=capture_key(ack.rollout_id, ack.attempt_index),
+            source_model_call_id=ack.model_call_id,
+            staging_keys=ack.staging_keys,
+            generation_token_count=ack.prefix_token_count,
+            digest=ack.prefix_digest,
+            effective_output_limit=ack.effective_output_limit,
+        )
+        attempt = source.attempt + 1
+        admission = CaptureAdmission(
+            rollout_id=capture_key(source.rollout_id, attempt),
+            model_call_id=source.model_call_id,
+            mode="text",
+            generation_cut=continuation,
+        )
+        call = self.capture.begin_call(admission)
+        resumed = call.continuation
+        assert resumed is not None
+        assert list(resumed.engine_prompt_token_ids) == lost.tokens, "the restore must give back the cut's tokens"
+        restored = lost.tokens[len(source.prompt) - len(source.restored) :]
+        assert list(resumed.restored_token_ids) == restored
+        carry = lost.tokens[: len(lost.tokens) - len(restored)]
+        self.capture.track(call, prompt_token_ids=resumed.engine_prompt_token_ids, effective_output_limit=OUTPUT_LIMIT)
+        model = LiveModel(
+            source.rollout_id,
+            attempt,
+            source.model_call_id,
+            call,
+            [*carry, *restored],
+            restored=restored,
+            version=self.version,
+            oldest_version=min(source.oldest_version, self.version),
+        )
+        self.live[model.key] = model
+
+    @rule()
+    def replay(self) -> None:
+        self.steps["replay"] += 1
+        report = self.store.replay()
+        assert report.ok, report.summary()
+
+    @rule()
+    def reserve_an_old_inventory(self) -> None:
+        """The same inventory gets the identical receipt, also after a restart."""
+        self.steps["reserve_an_old_inventory"] += 1
+        if not self.receipts:
+            return
+        inventory, receipt = self.receipts[len(self.receipts) // 2]
+        assert to_json(self.capture.serve_generation_cut(inventory)) == receipt
+
+    @rule(prompt=st.lists(st.integers(0, 2**32), min_size=1, max_size=3))
+    def fork(self, prompt: list[int]) -> None:
+        """A forked child stages through the parent's store; the parent sees its record."""
+        self.steps["fork"] += 1
+        record = make_record(rollout_id=self._next("fork"), model_call_id="c0", prompt=prompt, weight_version=1)
+        pid = os.fork()
+        if pid == 0:  # the child: stage, and leave without running any of the parent's cleanup
+            code = 1
+            try:
+                code = 0 if self.store.stage(record).ok else 2
+            finally:
+                os._exit(code)
+        status = _wait_for(pid)
+        assert status == 0, f"the forked child could not stage (exit status {status})"
+        self.acked[record.staging_key] = Expected(
+            record.rollout_id,
+            record.model_call_id,
+            digest=record.digest,
+            token_ids=list(record.token_ids_delta),
+            weight_version=1,
+        )
+
+    # --- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def acknowledged_keys_fetch_as_their_records(self) -> None:
+        if not self.acked:
+            return
+        keys = sorted(self.acked)
+        for key, snapshot in zip(keys, self.store.fetch(keys), strict=True):
+            expected = self.acked[key]
+            assert snapshot.staging_key == f"{snapshot.rollout_id}/{snapshot.model_call_id}" or key.startswith("__")
+            assert (snapshot.rollout_id, snapshot.model_call_id) == (expected.rollout_id, expected.model_call_id)
+            if expected.digest is not None:
+                assert snapshot.digest == expected.digest
+            if expected.token_ids is not None:
+                assert list(snapshot.token_ids_delta) == expected.token_ids
+            if expected.weight_version is not None:
+                assert snapshot.weight_version == expected.weight_version
+
+    @invariant()
+    def cleared_keys_are_gone(self) -> None:
+        for key in self.cleared:
+            try:
+                self.store.fetch([key])
+            except UnknownKeyError:
+                continue
+            raise AssertionError(f"withdrawn key {key!r} is still served")
+
+    @invariant()
+    def projections_equal_a_replay(self) -> None:
+        report = self.store.replay()
+        assert report.ok, report.summary()
+
+    @invariant()
+    def sequence_numbers_only_grow(self) -> None:
+        with sqlite3.connect(f"file:{self.path}?mode=ro", uri=True) as connection:
+            (last,) = connection.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()
+        connection.close()
+        assert last >= self.last_seq
+        self.last_seq = last
+
+
+def _split_capture_key(capture: str) -> tuple[str, int]:
+    rollout_id, _, attempt = capture.rpartition("-a")
+    if rollout_id and attempt.isdigit():
+        return rollout_id, int(attempt)
+    return capture, 0
+
+
+def _wait_for(pid: int) -> int:
+    deadline = time.monotonic() + JOIN_SECONDS
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung")
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("STORE_MACHINE_EXAMPLES", "30")),
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestStoreMachine = StoreMachine.TestCase
