@@ -1,13 +1,19 @@
 """Shared fixtures: every store test runs on SQLite, and on PostgreSQL when
-``STORE_TEST_POSTGRES_URL`` is set (``.ci/run`` sets it)."""
+``STORE_TEST_POSTGRES_URL`` is set (``.ci/run`` sets it).
+
+A test run never touches the database that URL names: it creates a database of its own on
+that server and drops it at the end, so any number of runs can share one server.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 
 from store import Store, open_store
 
@@ -15,9 +21,29 @@ POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
 BACKENDS = ["sqlite", *(["postgresql"] if POSTGRES_URL else [])]
 
 
+def _engine(url: str, **options: object) -> sa.Engine:
+    return sa.create_engine(make_url(url).set(drivername="postgresql+psycopg"), **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def postgres_run_url() -> Iterator[str]:
+    """A database of this run's own on the server of ``STORE_TEST_POSTGRES_URL``."""
+    assert POSTGRES_URL is not None
+    name = f"store_test_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = _engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
 def reset_postgres(url: str) -> None:
     """Drop the store's tables so each test starts from an empty database."""
-    engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    engine = _engine(url)
     with engine.begin() as connection:
         for table in ("events", "staged_keys", "calls", "cut_receipts", "alembic_version"):
             connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table} CASCADE")
@@ -28,9 +54,9 @@ def reset_postgres(url: str) -> None:
 def store_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
     if request.param == "sqlite":
         return os.path.join(tmp_path, "store.db")
-    assert POSTGRES_URL is not None
-    reset_postgres(POSTGRES_URL)
-    return POSTGRES_URL
+    url: str = request.getfixturevalue("postgres_run_url")
+    reset_postgres(url)
+    return url
 
 
 @pytest.fixture
