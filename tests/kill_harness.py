@@ -29,6 +29,7 @@ from store import (
     CaptureAdmission,
     GenerationCutContinuation,
     GenerationCutReceipt,
+    StagedCallSnapshot,
     Store,
     StoreError,
     from_json,
@@ -99,12 +100,18 @@ class Totals:
     seq_violations: int = 0
     child_failures: int = 0
     problems: list[str] = field(default_factory=list)
+    _subjects: set[str] = field(default_factory=set, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def problem(self, counter: str, text: str) -> None:
+    def problem(self, counter: str, text: str, subject: str | None = None) -> None:
+        """Count a problem once per subject (a key, a cut), however often it is checked."""
+        if subject is not None:
+            if subject in self._subjects:
+                return
+            self._subjects.add(subject)
         setattr(self, counter, getattr(self, counter) + 1)
         self.problems.append(text)
 
@@ -254,28 +261,21 @@ class KillLoop:
         """Each acknowledged key fetches, verifies, and is the record the child reported."""
         for batch in _batches(acks, 500):
             try:
-                snapshots = store.fetch([ack.key for ack in batch])
+                found: list[StagedCallSnapshot | str] = list(store.fetch([ack.key for ack in batch]))
             except StoreError:
-                snapshots = [self._fetch_one(store, ack.key) for ack in batch]
-            for ack, snapshot in zip(batch, snapshots, strict=True):
+                found = [_fetch_one(store, ack.key) for ack in batch]
+            for ack, snapshot in zip(batch, found, strict=True):
                 self.totals.acks_checked += 1
-                if snapshot is None:
-                    self.totals.problem("lost", f"acknowledged key {ack.key} is missing or unreadable")
+                if isinstance(snapshot, str):
+                    self.totals.problem("lost", f"acknowledged key {ack.key}: {snapshot}", ack.key)
                 elif (snapshot.rollout_id, snapshot.model_call_id, snapshot.digest) != (
                     ack.rollout_id,
                     ack.model_call_id,
                     ack.digest,
                 ):
-                    self.totals.problem("misreported", f"{ack.key} holds {snapshot.staging_key}, not {ack}")
+                    self.totals.problem("misreported", f"{ack.key} holds {snapshot.staging_key}, not {ack}", ack.key)
                 elif not _is_expected(ack):
-                    self.totals.problem("misreported", f"{ack.key} was acknowledged with a wrong digest {ack}")
-
-    def _fetch_one(self, store: Store, key: str) -> object | None:
-        try:
-            return store.fetch([key])[0]
-        except StoreError as exc:
-            self.totals.problems.append(f"fetch({key!r}): {type(exc).__name__}: {exc}")
-            return None
+                    self.totals.problem("misreported", f"{ack.key} was acknowledged with a wrong digest {ack}", ack.key)
 
     def check_receipts(self, store: Store, receipts: list[str]) -> None:
         """A reported receipt is stored byte for byte, and each prefix it promises restores."""
@@ -284,9 +284,9 @@ class KillLoop:
             receipt = from_json(text, GenerationCutReceipt)
             stored = store.cut_receipt(receipt.checkpoint_id, receipt.inventory_digest)
             if stored is None:
-                self.totals.problem("lost", f"receipt of cut {receipt.checkpoint_id} is missing")
+                self.totals.problem("lost", f"receipt of cut {receipt.checkpoint_id} is missing", text)
             elif stored != text.encode():
-                self.totals.problem("misreported", f"cut {receipt.checkpoint_id}: the stored receipt differs")
+                self.totals.problem("misreported", f"cut {receipt.checkpoint_id}: the stored receipt differs", text)
             else:
                 self._check_promises(store, receipt)
 
@@ -300,7 +300,7 @@ class KillLoop:
                 if ack.cut_kind == "terminal_completion":
                     [snapshot] = store.fetch(list(ack.staging_keys))
                     if snapshot.digest != ack.prefix_digest:
-                        self.totals.problem("misreported", f"{where}: the terminal record's digest differs")
+                        self.totals.problem("misreported", f"{where}: the terminal record's digest differs", where)
                     continue
                 assert ack.effective_output_limit is not None
                 continuation = GenerationCutContinuation(
@@ -321,7 +321,7 @@ class KillLoop:
                 resolve_continuation(store, admission, continuation, prefix, kill_worker.POLICY_VERSION)
                 self.totals.prefixes_restored += 1
             except StoreError as exc:
-                self.totals.problem("lost", f"{where}: the promised prefix does not restore: {exc}")
+                self.totals.problem("lost", f"{where}: the promised prefix does not restore: {exc}", where)
 
     def check_no_partial(self, store: Store, *, since: int) -> None:
         """Keys of events after ``since`` point at their own events; cut chunks and receipts are
@@ -354,23 +354,29 @@ class KillLoop:
                 )
             ).all()
         for (key,) in orphans:
-            self.totals.problem("partial", f"staged key {key} does not point at its own event")
+            self.totals.problem("partial", f"staged key {key} does not point at its own event", f"partial {key}")
         promised: set[str] = set()
         for checkpoint_id, inventory_digest in receipt_ids:
             stored = store.cut_receipt(checkpoint_id, inventory_digest)
             if stored is None:
-                self.totals.problem("partial", f"cut {checkpoint_id}: its receipt row has no receipt")
+                self.totals.problem(
+                    "partial", f"cut {checkpoint_id}: its receipt row has no receipt", f"partial {checkpoint_id}"
+                )
                 continue
             receipt = from_json(stored, GenerationCutReceipt)
             for ack in receipt.prefixes:
                 if ack.cut_kind == "active_prefix":
                     promised.update(ack.staging_keys)
         for key in sorted(chunk_keys - promised):
-            self.totals.problem("partial", f"chunk {key} is staged but no stored receipt acknowledges it")
+            self.totals.problem(
+                "partial", f"chunk {key} is staged but no stored receipt acknowledges it", f"partial {key}"
+            )
         if promised:
             staged = {key for (key,) in self._staged(promised)}
             for key in sorted(promised - staged):
-                self.totals.problem("partial", f"chunk {key} is acknowledged by a stored receipt but not staged")
+                self.totals.problem(
+                    "partial", f"chunk {key} is acknowledged by a stored receipt but not staged", f"partial {key}"
+                )
 
     def _staged(self, keys: Iterable[str]) -> list[tuple[str]]:
         found: list[tuple[str]] = []
@@ -414,6 +420,14 @@ class KillLoop:
         report = store.replay()
         if not report.ok:
             self.totals.problem("replay_failures", f"replay differs from the projections: {report.summary()}")
+
+
+def _fetch_one(store: Store, key: str) -> StagedCallSnapshot | str:
+    """The key's snapshot, or why it cannot be fetched."""
+    try:
+        return store.fetch([key])[0]
+    except StoreError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _is_expected(ack: Ack) -> bool:
