@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -90,7 +89,9 @@ class Totals:
     kills: int = 0
     unkilled: int = 0  # runs that finished before their failpoint's hit came
     kills_by_failpoint: dict[str, int] = field(default_factory=dict)
-    acks_checked: int = 0
+    acks_reported: int = 0  # distinct acknowledgements the children reported
+    receipts_reported: int = 0
+    acks_checked: int = 0  # checks made (each ack after its kill, and again by check_all)
     receipts_checked: int = 0
     prefixes_restored: int = 0
     lost: int = 0
@@ -119,7 +120,8 @@ class Totals:
         by_point = ", ".join(f"{name} {count}" for name, count in sorted(self.kills_by_failpoint.items()))
         return (
             f"runs {self.runs}, kills {self.kills} ({by_point}), unkilled runs {self.unkilled}; "
-            f"acks checked {self.acks_checked}, receipts checked {self.receipts_checked}, "
+            f"acks reported {self.acks_reported} (checks {self.acks_checked}), "
+            f"receipts reported {self.receipts_reported} (checks {self.receipts_checked}), "
             f"cut prefixes restored {self.prefixes_restored}; lost {self.lost}, misreported {self.misreported}, "
             f"partial {self.partial}, replay failures {self.replay_failures}, "
             f"sequence violations {self.seq_violations}, child failures {self.child_failures}"
@@ -218,7 +220,7 @@ class KillLoop:
         pid, status = self._zygote.run(run_id, failpoint, skip, records, out)
         report = Report.read(out)
         self._classify(run_id, failpoint, status, report, out)
-        with self._store() as store:
+        with open_store(self.url) as store:
             self.check_acks(store, report.acks)
             self.check_receipts(store, report.receipts)
             self.check_no_partial(store, since=self._last_seq)
@@ -227,6 +229,7 @@ class KillLoop:
                 self.check_replay(store)
         self._acks += report.acks
         self._receipts += report.receipts
+        self.totals.acks_reported, self.totals.receipts_reported = len(self._acks), len(self._receipts)
 
     def _classify(self, run_id: str, failpoint: str, status: int | None, report: Report, out: Path) -> None:
         stderr = Path(str(out) + ".err")
@@ -242,16 +245,11 @@ class KillLoop:
             tail = stderr.read_text()[-2000:] if stderr.exists() else ""
             self.totals.problem("child_failures", f"{run_id}: the child ended with status {status}: {tail}")
 
-    @contextmanager
-    def _store(self) -> Iterator[Store]:
-        with open_store(self.url) as store:
-            yield store
-
     # the checks -----------------------------------------------------------------------------
 
     def check_all(self) -> None:
         """Every ack and receipt reported so far, and the whole store (a soak's last check)."""
-        with self._store() as store:
+        with open_store(self.url) as store:
             self.check_acks(store, self._acks)
             self.check_receipts(store, self._receipts)
             self.check_no_partial(store, since=0)
