@@ -25,7 +25,7 @@ from store.engine import resolve_url
 from store.schema import cut_receipts, events, staged_keys
 
 # Hits to survive before dying: the first hit, and later ones, when batches and cuts are under way.
-SKIPS = {"before_commit": (0, 9, 30), "after_commit": (0, 9, 30), "mid_batch": (0, 9, 40), "mid_cut": (0, 3, 8)}
+SKIPS = {"before_commit": (0, 6, 20), "after_commit": (0, 6, 20), "mid_batch": (0, 6, 24), "mid_cut": (0, 2, 6)}
 RECORDS = 200  # per stager thread: far more than the skips let a child stage
 
 
