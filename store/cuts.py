@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from store import failpoints
 from store.columns import FloatColumn, TokenIds
 from store.cut_records import (
     GenerationCutInventory,
@@ -453,6 +454,7 @@ class CutServer:
             )
             receipt.validate_for(inventory)
             entries = [plan.entry for plan in plans if plan.entry is not None]
+            failpoints.hit("mid_cut")
             self._store.stage_all(
                 entries, cut_receipt=(inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt))
             )

@@ -20,7 +20,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import schema
+from store import failpoints, schema
 from store.columns import encode_floats, encode_ids, encode_mask, frame_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error
@@ -310,6 +310,7 @@ class EventLog:
             while True:
                 try:
                     self._run_batch(batch, durable, isolate)
+                    failpoints.hit("after_commit")
                     return
                 except _FailedCaller:
                     if len(batch) == 1 or isolate:
@@ -335,9 +336,12 @@ class EventLog:
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
             transaction = WriteTransaction(cursor, self._statements)
             for index, pending in enumerate(batch):
+                if index:
+                    failpoints.hit("mid_batch")
                 self._run_one(transaction, pending, f"op{index}" if isolate else None)
                 if pending.error is not None and not isolate:
                     raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
+            failpoints.hit("before_commit")
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
         if savepoint is not None:
