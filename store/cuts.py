@@ -427,15 +427,19 @@ class CutServer:
         calls = [(prefix.capture_key, prefix.model_call_id) for prefix in inventory.active_prefixes]
         if len(set(calls)) != len(calls):
             raise GenerationCutError("the inventory names a model call more than once")
+        with self._registry:
+            named = {call: self._calls[call] for call in calls if call in self._calls}
         locked: list[LiveCall] = []
         plans: list[_CutPlan] = []
         acks: list[GenerationCutPrefixAck] = []
         try:
+            # One global lock order (by call), whatever the inventory's ticket order: two cuts
+            # naming the same calls in different orders must not wait on each other.
+            for call in sorted(named):
+                named[call].lifecycle.acquire()
+                locked.append(named[call])
             for prefix in inventory.active_prefixes:
-                live = self._calls.get((prefix.capture_key, prefix.model_call_id))
-                if live is not None:
-                    live.lifecycle.acquire()
-                    locked.append(live)
+                live = named.get((prefix.capture_key, prefix.model_call_id))
                 if live is None or live.terminal:
                     acks.append(self._terminal_ack(prefix, inventory.checkpoint_id))
                     continue
