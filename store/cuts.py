@@ -267,17 +267,28 @@ class _Evidence:
 
     staging_key: str
     digest: str
+    extras_digest: str
     generated_tokens: int
     effective_output_limit: int | None
     finish_reason: str | None
     stop_reason: str | int | None
     at: float  # wall-clock completion time
 
+    @property
+    def restorable(self) -> bool:
+        """A restore rebuilds the terminal record with extras null (5.6): with extras it cannot match."""
+        return (
+            self.extras_digest == EMPTY_EXTRAS_DIGEST
+            and self.effective_output_limit is not None
+            and self.finish_reason is not None
+        )
+
     @classmethod
     def stored(cls, completion: StoredCompletion) -> _Evidence:
         return cls(
             completion.staging_key,
             completion.digest,
+            completion.extras_digest,
             completion.generated_tokens,
             completion.effective_output_limit,
             completion.finish_reason,
@@ -385,11 +396,12 @@ class CutServer:
         if live is None:
             return
         key = (live.call.capture_key, live.call.model_call_id)
-        if coords.staging_key is not None and coords.digest is not None:
+        if coords.staging_key is not None and coords.digest is not None and coords.extras_digest is not None:
             with self._registry:
                 self._evidence[key] = _Evidence(
                     coords.staging_key,
                     coords.digest,
+                    coords.extras_digest,
                     generated_tokens,
                     live.effective_output_limit,
                     live.finish_reason,
@@ -528,7 +540,7 @@ class CutServer:
     def _terminal_ack(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> GenerationCutPrefixAck:
         identity = _identity(prefix)
         evidence = self._fresh_evidence((prefix.capture_key, prefix.model_call_id))
-        if evidence is None or evidence.effective_output_limit is None or evidence.finish_reason is None:
+        if evidence is None or not evidence.restorable:
             return GenerationCutPrefixAck(**identity, disposition="durable_failure")
         return GenerationCutPrefixAck(
             **identity,

@@ -81,6 +81,7 @@ class StoredCompletion:
 
     staging_key: str
     digest: str
+    extras_digest: str
     generated_tokens: int
     effective_output_limit: int | None
     finish_reason: str | None
@@ -169,6 +170,7 @@ class Reader:
         return StoredCompletion(
             staging_key=row.staging_key,
             digest=body.digest,
+            extras_digest=body.extras_digest,
             generated_tokens=sum(end - start for start, end, _ in body.spans),
             effective_output_limit=completion.effective_output_limit if completion else None,
             finish_reason=completion.finish_reason if completion else None,

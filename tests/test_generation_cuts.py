@@ -375,6 +375,35 @@ def test_generation_cut_of_a_finished_call_without_evidence_is_a_durable_failure
     assert store.cut_receipt("checkpoint-1", receipt.inventory_digest) is not None
 
 
+@pytest.mark.parametrize("evidence", ["in-memory", "from-the-log"])
+def test_a_call_completed_with_extras_is_not_promised_as_a_restorable_prefix(rollout: Rollout, evidence: str) -> None:
+    """A restore rebuilds the prefix with extras null (5.6), so a terminal record with extras
+    can never match its own digest: such a call is a durable failure, not a terminal completion."""
+    capture = rollout.capture
+    completion: dict[str, Any] = {
+        "prompt_token_ids": [*rollout.prefix, 20, 21],
+        "generated_token_ids": [30, 31],
+        "generated_logprobs": [-0.5, -0.75],
+    }
+    plain, with_extras = rollout.live_call("c1", limit=16), rollout.live_call("c2", limit=16)
+    for call in (plain, with_extras):
+        capture.observe(call, [30, 31], [-0.5, -0.75], finish_reason="stop")
+    assert capture.complete_call(plain, **completion).disposition == "staged"
+    coords = capture.complete_call(with_extras, **completion, extras={"routed_experts": [[[1, 2]], [[3, 4]]]})
+    assert coords.disposition == "staged" and coords.extras_digest != EMPTY_EXTRAS_DIGEST
+    serving = capture if evidence == "in-memory" else rollout.new_capture()
+    receipt = serving.serve_generation_cut(inventory("checkpoint-1", ticket("c1"), ticket("c2")))
+    acks = {ack.model_call_id: ack for ack in receipt.prefixes}
+    assert acks["c1"].cut_kind == "terminal_completion"
+    assert acks["c2"].disposition == "durable_failure" and acks["c2"].staging_keys == ()
+    # Every prefix the receipt promises restores on a replacement.
+    rollout.capture = serving
+    for ack in receipt.prefixes:
+        if ack.disposition == "durable_prefix":
+            replacement = rollout.restore(ack, attempt=1, track=False)
+            assert replacement.continuation is not None and replacement.continuation.is_terminal
+
+
 def test_completed_capture_evidence_expires_by_age(rollout: Rollout) -> None:
     capture = rollout.new_capture(completion_evidence_ttl=0.05)
     rollout.capture = capture
