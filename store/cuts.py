@@ -24,7 +24,7 @@ from store.cut_records import (
     chunk_staging_key,
 )
 from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
-from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError, UnknownKeyError
+from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError
 from store.events import Completion, EventKind, Span
 from store.projections import generated_spans
 from store.queries import StoredCompletion
@@ -69,7 +69,9 @@ def resolve_continuation(
         # Each chunk's own digest is not re-hashed: the digest of their concatenation is
         # checked against the continuation below, and checksums guard the stored bytes.
         fetched = store.fetch_chunks(keys)
-    except UnknownKeyError as exc:
+    except StoreClosedError:
+        raise
+    except StoreError as exc:  # absent, damaged or unreadable: a refused continuation, so the worker regenerates
         raise GenerationCutError(f"cannot resolve the generation cut: {exc}") from exc
     chunks = [snapshot for snapshot, _ in fetched]
     if len(chunks) != len(keys) or not chunks:

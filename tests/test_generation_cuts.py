@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from capture_helpers import Versions, event_count, writes_nothing
+from capture_helpers import Versions, damage_token_ids, event_count, writes_nothing
 from factories import make_record, plain_digest_fields
 from vectors import vectors_by_id
 
@@ -25,6 +25,7 @@ from store import (
     CaptureAdmission,
     CaptureError,
     CommitCoords,
+    CorruptRecordError,
     GenerationCutContinuation,
     GenerationCutError,
     GenerationCutInventory,
@@ -823,6 +824,29 @@ def test_generation_cut_resolved_from_the_log_refuses_each_failed_check(cut: Cut
     admission = rollout.admission(attempt=1, continuation=continuation, **admission_kwargs)
     with writes_nothing(rollout.store, ("r0-a1", "c1")), pytest.raises(CaptureError):
         rollout.capture.begin_call(admission, **kwargs)
+
+
+@pytest.mark.parametrize("fault", ["damaged-chunk", "storage-error"])
+def test_generation_cut_that_cannot_be_read_is_refused_as_a_capture_error(
+    cut: Cut, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker falls back to regenerating on ``CaptureError``: a damaged chunk or a failing
+    store is a refused continuation (the cause chained), not another error class."""
+    rollout = cut.rollout
+    cause: type[Exception]
+    if fault == "damaged-chunk":
+        damage_token_ids(rollout.store, cut.ack.staging_keys[0])
+        cause = CorruptRecordError
+    else:
+
+        def failing_fetch_chunks(*args: Any, **kwargs: Any) -> Any:
+            raise StorageError("fetching staged records failed: disk I/O error")
+
+        monkeypatch.setattr(rollout.store, "fetch_chunks", failing_fetch_chunks)
+        cause = StorageError
+    with writes_nothing(rollout.store, ("r0-a1", "c1")), pytest.raises(GenerationCutError) as refused:
+        rollout.restore(cut.ack, attempt=1, track=False)
+    assert isinstance(refused.value.__cause__, cause)
 
 
 def test_generation_cut_chunks_must_be_ordered_with_the_carry_first(rollout: Rollout) -> None:
