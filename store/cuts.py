@@ -27,14 +27,13 @@ from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_col
 from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError
 from store.events import Completion, EventKind, Span
 from store.projections import generated_spans
-from store.queries import StoredCompletion
+from store.queries import StoredChunk, StoredCompletion
 from store.records import (
     CaptureAdmission,
     CommitCoords,
     GenerationCutContinuation,
     StagedCallBaseSnapshot,
     StagedCallRecord,
-    StagedCallSnapshot,
     from_json,
     to_json,
     trusted_snapshot,
@@ -69,13 +68,18 @@ def resolve_continuation(
         # Each chunk's own digest is not re-hashed: the digest of their concatenation is
         # checked against the continuation below, and checksums guard the stored bytes.
         fetched = store.fetch_chunks(keys)
+        if len(fetched) != len(keys) or not fetched:
+            raise GenerationCutError(
+                "cannot resolve the generation cut: the staged chunk count does not match its keys"
+            )
+        check_chunk_identity(store, continuation, fetched)
     except StoreClosedError:
+        raise
+    except GenerationCutError:
         raise
     except StoreError as exc:  # absent, damaged or unreadable: a refused continuation, so the worker regenerates
         raise GenerationCutError(f"cannot resolve the generation cut: {exc}") from exc
-    chunks = [snapshot for snapshot, _ in fetched]
-    if len(chunks) != len(keys) or not chunks:
-        raise GenerationCutError("cannot resolve the generation cut: the staged chunk count does not match its keys")
+    chunks = [chunk.snapshot for chunk in fetched]
     versions = [chunk.weight_version for chunk in chunks]
     if any(later < earlier for earlier, later in itertools.pairwise(versions)):
         raise GenerationCutError(f"the cut's chunk policy versions {versions} are not non-decreasing")
@@ -136,7 +140,47 @@ def resolve_continuation(
     return ResolvedCut(snapshot, spans)
 
 
-def _restored_spans(fetched: Sequence[tuple[StagedCallSnapshot, list[Span]]]) -> list[Span]:
+def check_chunk_identity(store: Store, continuation: GenerationCutContinuation, fetched: Sequence[StoredChunk]) -> None:
+    """Each chunk is a record of the cut call, or of a call it continued (oldest first), and of
+    the kind its place needs: first the cumulative prefix (for a terminal completion, the call's
+    terminal record), then generation-only chunks.  A digest proves the tokens, not whose they are."""
+    source = (continuation.source_capture_key, continuation.source_model_call_id)
+    lineage = [source]
+    if any(_owner(chunk) != source for chunk in fetched):
+        lineage = _lineage(store, source)
+    position = 0
+    for index, (key, chunk) in enumerate(zip(continuation.staging_keys, fetched, strict=True)):
+        owner = _owner(chunk)
+        if owner not in lineage[position:]:
+            raise GenerationCutError(
+                f"chunk {key!r} is a record of {owner[0]}/{owner[1]}, not of the cut call "
+                f"{source[0]}/{source[1]} or a call it continued, in order"
+            )
+        position = lineage.index(owner, position)
+        expected = {EventKind.CHUNK_STAGED} if index else {EventKind.PREFIX_STAGED}
+        terminal = len(fetched) == 1 and owner == source and continuation.terminal_finish_reason is not None
+        if terminal:
+            expected.add(EventKind.CALL_COMPLETED)  # a terminal completion names the call's terminal record
+        if chunk.kind not in expected:
+            wanted = " or ".join(sorted(kind.value for kind in expected))
+            raise GenerationCutError(f"chunk {key!r} of the cut is a {chunk.kind.value} record, not {wanted}")
+
+
+def _owner(chunk: StoredChunk) -> tuple[str, str]:
+    return chunk.snapshot.rollout_id, chunk.snapshot.model_call_id
+
+
+def _lineage(store: Store, source: tuple[str, str]) -> list[tuple[str, str]]:
+    """The source call and the calls it continued, oldest first (from the calls projection)."""
+    chain = [source]
+    info = store.call(*source)
+    while info is not None and info.continues is not None and info.continues not in chain:
+        chain.append(info.continues)
+        info = store.call(*info.continues)
+    return chain[::-1]
+
+
+def _restored_spans(fetched: Sequence[StoredChunk]) -> list[Span]:
     """Per-token policy versions of the concatenated chunks, as their events recorded them.
 
     A record's spans are in its call's delta positions, which are the positions in the
@@ -144,7 +188,8 @@ def _restored_spans(fetched: Sequence[tuple[StagedCallSnapshot, list[Span]]]) ->
     """
     spans: list[Span] = []
     offset = 0
-    for snapshot, recorded in fetched:
+    for chunk in fetched:
+        snapshot, recorded = chunk.snapshot, chunk.spans
         end = offset + snapshot.delta_len
         if recorded and all(offset <= start < stop <= end for start, stop, _ in recorded):
             spans += recorded

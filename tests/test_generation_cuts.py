@@ -849,6 +849,122 @@ def test_generation_cut_that_cannot_be_read_is_refused_as_a_capture_error(
     assert isinstance(refused.value.__cause__, cause)
 
 
+def rebuilt_continuation(
+    store: Store,
+    keys: Sequence[str],
+    *,
+    source: tuple[str, str],
+    admission: CaptureAdmission,
+    prefix: Sequence[int],
+    finish: str | None = None,
+) -> GenerationCutContinuation:
+    """A continuation naming ``keys`` whose count and digest are recomputed exactly as a restore
+    rebuilds them from those chunks (5.6): only the chunks' identity can show it is forged."""
+    chunks = store.fetch(list(keys))
+    ids = [token for chunk in chunks for token in chunk.token_ids_delta]
+    mask = [flag for chunk in chunks for flag in chunk.token_mask_delta]
+    logprobs = [lp for chunk in chunks for lp in chunk.generation_log_probs_delta]
+    digest = compute_staging_digest(
+        schema_version=admission.schema_version,
+        digest_version=2,
+        extras_digest_version=1,
+        rollout_id=source[0],
+        model_call_id=source[1],
+        parent_call_id=admission.parent_call_id,
+        mode=admission.mode,
+        prev_len=admission.prev_len,
+        delta_len=len(ids),
+        cum_len=admission.prev_len + len(ids),
+        weight_version=chunks[0].weight_version,
+        token_ids_delta=ids,
+        token_mask_delta=mask,
+        generation_log_probs_delta=logprobs,
+        extras_digest=EMPTY_EXTRAS_DIGEST,
+        chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
+        cumulative_hash=hash_token_ids([*prefix, *ids]),
+    )
+    return GenerationCutContinuation(
+        source_capture_key=source[0],
+        source_model_call_id=source[1],
+        staging_keys=tuple(keys),
+        generation_token_count=int(sum(mask)),
+        digest=digest,
+        effective_output_limit=16,
+        terminal_finish_reason=finish,
+    )
+
+
+@pytest.mark.parametrize(("rollout_id", "model_call_id"), [("r9", "c1"), ("r0", "c2")], ids=["rollout", "call"])
+def test_generation_cut_refuses_a_chunk_of_another_call(cut: Cut, rollout_id: str, model_call_id: str) -> None:
+    rollout = cut.rollout
+    store = rollout.store
+    # The very tokens of r0/c1's cut, staged as the cut prefix of another rollout's (or call's) c1.
+    record = make_record(
+        rollout_id=rollout_id,
+        model_call_id=model_call_id,
+        parent_call_id="c0",
+        parent_chain_hash=rollout.root.chain_hash,
+        prefix=rollout.prefix,
+        prompt=[20, 21],
+        generated=[30, 31],
+        logprobs=[-0.5, -0.75],
+        weight_version=7,
+    )
+    key = chunk_key("checkpoint-1", rollout_id, model_call_id, 0)
+    assert store.stage(record, staging_key=key, kind=lib.EventKind.PREFIX_STAGED).ok
+    # The rebuilt digest covers the tokens, not whose they are: it is the honest cut's digest.
+    forged = _continuation(cut, staging_keys=(key,))
+    assert (
+        forged.digest
+        == rebuilt_continuation(
+            store, [key], source=("r0", "c1"), admission=rollout.admission(attempt=1), prefix=rollout.prefix
+        ).digest
+    )
+    with writes_nothing(store, ("r0-a1", "c1")), pytest.raises(GenerationCutError, match="not of the cut call"):
+        rollout.capture.begin_call(rollout.admission(attempt=1, continuation=forged))
+
+
+def test_generation_cut_refuses_a_terminal_record_named_as_an_unfinished_prefix(rollout: Rollout) -> None:
+    store = rollout.store
+    admission = CaptureAdmission(rollout_id="r0-a1", model_call_id="c0", mode="text")
+
+    def replacement(finish: str | None) -> CaptureAdmission:
+        """Attempt 1 of the root c0, continuing a cut that names c0's terminal record."""
+        continuation = rebuilt_continuation(
+            store, ["r0/c0"], source=("r0", "c0"), admission=admission, prefix=[], finish=finish
+        )
+        assert continuation.digest == rollout.root.digest
+        return CaptureAdmission(rollout_id="r0-a1", model_call_id="c0", mode="text", generation_cut=continuation)
+
+    # Not finished, says the continuation: but the record is the call's finished answer.
+    with writes_nothing(store, ("r0-a1", "c0")), pytest.raises(GenerationCutError, match="call_completed record"):
+        rollout.capture.begin_call(replacement(None))
+    # As a terminal completion (it finished, with a reason) the same record restores.
+    call = rollout.capture.begin_call(replacement("stop"))
+    assert call.continuation is not None and call.continuation.is_terminal
+
+
+def test_generation_cut_refuses_later_chunks_without_their_cumulative_prefix(rollout: Rollout) -> None:
+    flushing(rollout, threshold=2)
+    capture, store = rollout.capture, rollout.store
+    call = rollout.live_call()
+    capture.observe(call, [30, 31], [-0.5, -0.75])
+    assert capture.flush_due() == 1
+    capture.observe(call, [32], [-0.125])
+    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-1")))
+    first, second = ack.staging_keys
+    admission = rollout.admission(attempt=1)
+    honest = rebuilt_continuation(
+        store, [first, second], source=("r0", "c1"), admission=admission, prefix=rollout.prefix
+    )
+    assert honest.digest == ack.prefix_digest
+    # The generation-only chunk alone: no carry, a consistent count and digest, but not a prefix.
+    forged = rebuilt_continuation(store, [second], source=("r0", "c1"), admission=admission, prefix=rollout.prefix)
+    with writes_nothing(store, ("r0-a1", "c1")), pytest.raises(GenerationCutError, match="chunk_staged record"):
+        capture.begin_call(rollout.admission(attempt=1, continuation=forged))
+    assert capture.begin_call(rollout.admission(attempt=1, continuation=honest)).generation_cut is not None
+
+
 def test_generation_cut_chunks_must_be_ordered_with_the_carry_first(rollout: Rollout) -> None:
     flushing(rollout, threshold=2)
     capture, store = rollout.capture, rollout.store
