@@ -142,8 +142,9 @@ def resolve_continuation(
 
 def check_chunk_identity(store: Store, continuation: GenerationCutContinuation, fetched: Sequence[StoredChunk]) -> None:
     """Each chunk is a record of the cut call, or of a call it continued (oldest first), and of
-    the kind its place needs: first the cumulative prefix (for a terminal completion, the call's
-    terminal record), then generation-only chunks.  A digest proves the tokens, not whose they are."""
+    the kind its place needs: first the cumulative prefix (for a cut that had finished, possibly
+    the terminal record alone), then generation-only chunks.  A digest proves the tokens, not
+    whose they are."""
     source = (continuation.source_capture_key, continuation.source_model_call_id)
     lineage = [source]
     if any(_owner(chunk) != source for chunk in fetched):
@@ -158,9 +159,8 @@ def check_chunk_identity(store: Store, continuation: GenerationCutContinuation, 
             )
         position = lineage.index(owner, position)
         expected = {EventKind.CHUNK_STAGED} if index else {EventKind.PREFIX_STAGED}
-        terminal = len(fetched) == 1 and owner == source and continuation.terminal_finish_reason is not None
-        if terminal:
-            expected.add(EventKind.CALL_COMPLETED)  # a terminal completion names the call's terminal record
+        if len(fetched) == 1 and continuation.terminal_finish_reason is not None:
+            expected.add(EventKind.CALL_COMPLETED)  # a finished cut may name the call's terminal record
         if chunk.kind not in expected:
             wanted = " or ".join(sorted(kind.value for kind in expected))
             raise GenerationCutError(f"chunk {key!r} of the cut is a {chunk.kind.value} record, not {wanted}")
@@ -230,8 +230,9 @@ class LiveCall:
         self.own_keys: list[str] = []
         self.acknowledged: set[str] = set()
         self.restored_count = continuation.generation_token_count if continuation else 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
+        # A restored cut that had finished is the whole answer (5.8): the call finished that way.
+        self.finish_reason: str | None = continuation.terminal_finish_reason if continuation else None
+        self.stop_reason: str | int | None = continuation.terminal_stop_reason if continuation else None
         self.observation_error: str | None = None
         self.terminal = False
 

@@ -1125,6 +1125,27 @@ def test_restored_prefix_at_output_limit_is_terminal(rollout: Rollout) -> None:
         capture.finish_restored_call(replacement)
 
 
+def test_a_restored_terminal_completion_cut_again_before_it_finishes_still_restores(rollout: Rollout) -> None:
+    """A replacement restored from a terminal record, cut before it returns its answer: its cut
+    names that terminal record and must carry its finish, so the next attempt can restore it."""
+    capture = rollout.capture
+    call = rollout.live_call(limit=16)
+    capture.observe(call, [30, 31], [-0.5, -0.75], finish_reason="stop", stop_reason="</s>")
+    capture.complete_call(
+        call, prompt_token_ids=[*rollout.prefix, 20, 21], generated_token_ids=[30, 31], generated_logprobs=[-0.5, -0.75]
+    )
+    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-1")))
+    assert ack.cut_kind == "terminal_completion"
+    replacement = rollout.restore(ack, attempt=1)  # tracked, not yet finished
+    again = only_ack(capture.serve_generation_cut(inventory("checkpoint-2", ticket("c1", attempt=1))))
+    assert again.disposition == "durable_prefix" and again.staging_keys == ("r0/c1",)
+    assert (again.terminal_finish_reason, again.terminal_stop_reason) == ("stop", "</s>")
+    restored = rollout.restore(again, attempt=2, track=False)
+    assert restored.continuation is not None and restored.continuation.is_terminal
+    assert capture.finish_restored_call(restored).disposition == "staged"
+    assert capture.finish_restored_call(replacement).disposition == "staged"
+
+
 def test_continued_call_rejects_a_prompt_other_than_prefix_plus_cut(cut: Cut) -> None:
     rollout = cut.rollout
     replacement = rollout.restore(cut.ack, attempt=1, track=False)
