@@ -45,7 +45,7 @@ from store.errors import (
     UnknownKeyError,
 )
 from store.events import EventKind
-from store.queries import CallInfo, StoredCompletion, VersionSpan
+from store.queries import CallInfo, StoredChunk, StoredCompletion, VersionSpan
 from store.records import (
     CallRecord,
     CaptureAdmission,
@@ -115,6 +115,7 @@ __all__ = [
     "Store",
     "StoreClosedError",
     "StoreError",
+    "StoredChunk",
     "StoredCompletion",
     "StreamingUnsupportedError",
     "TokenIds",

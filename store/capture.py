@@ -28,7 +28,7 @@ from store.errors import (
     StreamingUnsupportedError,
 )
 from store.events import AdmissionBody, EventKind, Span
-from store.projections import generated_spans
+from store.projections import TERMINAL_STATES, generated_spans
 from store.records import (
     CaptureAdmission,
     CommitCoords,
@@ -201,6 +201,7 @@ class RolloutTokenCapture:
             raise StreamingUnsupportedError("token capture needs the whole response; stream=True is refused")
         prefix = resolve_prefix(admission, prefix_token_ids)
         version = self._stamp(weight_version)
+        self._refuse_finished_call(admission)
         continuation = admission.generation_cut
         restored_spans: list[Span] = []
         if generation_cut is not None:
@@ -219,6 +220,15 @@ class RolloutTokenCapture:
         call = ActiveCall(admission, version, prefix, generation_cut, restored_spans)
         self.store.record_admission(admission.rollout_id, admission.model_call_id, _admission_body(call))
         return call
+
+    def _refuse_finished_call(self, admission: CaptureAdmission) -> None:
+        """A call captures once: admitting it again after it finished would reopen a settled call."""
+        info = self.store.call(admission.rollout_id, admission.model_call_id)
+        if info is not None and info.state in TERMINAL_STATES:
+            raise CaptureError(
+                f"call {admission.rollout_id}/{admission.model_call_id} already {info.state}; "
+                "a finished call cannot be admitted again"
+            )
 
     def _stamp(self, explicit: int | None) -> int:
         version = explicit if explicit is not None else self._weight_version_fn()

@@ -25,17 +25,16 @@ from store.cut_records import (
     chunk_staging_key,
 )
 from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
-from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError, UnknownKeyError
+from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError
 from store.events import Completion, EventKind, Span
 from store.projections import generated_spans
-from store.queries import StoredCompletion
+from store.queries import StoredChunk, StoredCompletion
 from store.records import (
     CaptureAdmission,
     CommitCoords,
     GenerationCutContinuation,
     StagedCallBaseSnapshot,
     StagedCallRecord,
-    StagedCallSnapshot,
     from_json,
     to_json,
     trusted_snapshot,
@@ -70,11 +69,18 @@ def resolve_continuation(
         # Each chunk's own digest is not re-hashed: the digest of their concatenation is
         # checked against the continuation below, and checksums guard the stored bytes.
         fetched = store.fetch_chunks(keys)
-    except UnknownKeyError as exc:
+        if len(fetched) != len(keys) or not fetched:
+            raise GenerationCutError(
+                "cannot resolve the generation cut: the staged chunk count does not match its keys"
+            )
+        check_chunk_identity(store, continuation, fetched)
+    except StoreClosedError:
+        raise
+    except GenerationCutError:
+        raise
+    except StoreError as exc:  # absent, damaged or unreadable: a refused continuation, so the worker regenerates
         raise GenerationCutError(f"cannot resolve the generation cut: {exc}") from exc
-    chunks = [snapshot for snapshot, _ in fetched]
-    if len(chunks) != len(keys) or not chunks:
-        raise GenerationCutError("cannot resolve the generation cut: the staged chunk count does not match its keys")
+    chunks = [chunk.snapshot for chunk in fetched]
     versions = [chunk.weight_version for chunk in chunks]
     if any(later < earlier for earlier, later in itertools.pairwise(versions)):
         raise GenerationCutError(f"the cut's chunk policy versions {versions} are not non-decreasing")
@@ -135,7 +141,47 @@ def resolve_continuation(
     return ResolvedCut(snapshot, spans)
 
 
-def _restored_spans(fetched: Sequence[tuple[StagedCallSnapshot, list[Span]]]) -> list[Span]:
+def check_chunk_identity(store: Store, continuation: GenerationCutContinuation, fetched: Sequence[StoredChunk]) -> None:
+    """Each chunk is a record of the cut call, or of a call it continued (oldest first), and of
+    the kind its place needs: first the cumulative prefix (for a cut that had finished, possibly
+    the terminal record alone), then generation-only chunks.  A digest proves the tokens, not
+    whose they are."""
+    source = (continuation.source_capture_key, continuation.source_model_call_id)
+    lineage = [source]
+    if any(_owner(chunk) != source for chunk in fetched):
+        lineage = _lineage(store, source)
+    position = 0
+    for index, (key, chunk) in enumerate(zip(continuation.staging_keys, fetched, strict=True)):
+        owner = _owner(chunk)
+        if owner not in lineage[position:]:
+            raise GenerationCutError(
+                f"chunk {key!r} is a record of {owner[0]}/{owner[1]}, not of the cut call "
+                f"{source[0]}/{source[1]} or a call it continued, in order"
+            )
+        position = lineage.index(owner, position)
+        expected = {EventKind.CHUNK_STAGED} if index else {EventKind.PREFIX_STAGED}
+        if len(fetched) == 1 and continuation.terminal_finish_reason is not None:
+            expected.add(EventKind.CALL_COMPLETED)  # a finished cut may name the call's terminal record
+        if chunk.kind not in expected:
+            wanted = " or ".join(sorted(kind.value for kind in expected))
+            raise GenerationCutError(f"chunk {key!r} of the cut is a {chunk.kind.value} record, not {wanted}")
+
+
+def _owner(chunk: StoredChunk) -> tuple[str, str]:
+    return chunk.snapshot.rollout_id, chunk.snapshot.model_call_id
+
+
+def _lineage(store: Store, source: tuple[str, str]) -> list[tuple[str, str]]:
+    """The source call and the calls it continued, oldest first (from the calls projection)."""
+    chain = [source]
+    info = store.call(*source)
+    while info is not None and info.continues is not None and info.continues not in chain:
+        chain.append(info.continues)
+        info = store.call(*info.continues)
+    return chain[::-1]
+
+
+def _restored_spans(fetched: Sequence[StoredChunk]) -> list[Span]:
     """Per-token policy versions of the concatenated chunks, as their events recorded them.
 
     A record's spans are in its call's delta positions, which are the positions in the
@@ -143,7 +189,8 @@ def _restored_spans(fetched: Sequence[tuple[StagedCallSnapshot, list[Span]]]) ->
     """
     spans: list[Span] = []
     offset = 0
-    for snapshot, recorded in fetched:
+    for chunk in fetched:
+        snapshot, recorded = chunk.snapshot, chunk.spans
         end = offset + snapshot.delta_len
         if recorded and all(offset <= start < stop <= end for start, stop, _ in recorded):
             spans += recorded
@@ -184,8 +231,9 @@ class LiveCall:
         self.own_keys: list[str] = []
         self.acknowledged: set[str] = set()
         self.restored_count = continuation.generation_token_count if continuation else 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
+        # A restored cut that had finished is the whole answer (5.8): the call finished that way.
+        self.finish_reason: str | None = continuation.terminal_finish_reason if continuation else None
+        self.stop_reason: str | int | None = continuation.terminal_stop_reason if continuation else None
         self.observation_error: str | None = None
         self.terminal = False
 
@@ -268,17 +316,28 @@ class _Evidence:
 
     staging_key: str
     digest: str
+    extras_digest: str
     generated_tokens: int
     effective_output_limit: int | None
     finish_reason: str | None
     stop_reason: str | int | None
     at: float  # wall-clock completion time
 
+    @property
+    def restorable(self) -> bool:
+        """A restore rebuilds the terminal record with extras null (5.6): with extras it cannot match."""
+        return (
+            self.extras_digest == EMPTY_EXTRAS_DIGEST
+            and self.effective_output_limit is not None
+            and self.finish_reason is not None
+        )
+
     @classmethod
     def stored(cls, completion: StoredCompletion) -> _Evidence:
         return cls(
             completion.staging_key,
             completion.digest,
+            completion.extras_digest,
             completion.generated_tokens,
             completion.effective_output_limit,
             completion.finish_reason,
@@ -386,11 +445,12 @@ class CutServer:
         if live is None:
             return
         key = (live.call.capture_key, live.call.model_call_id)
-        if coords.staging_key is not None and coords.digest is not None:
+        if coords.staging_key is not None and coords.digest is not None and coords.extras_digest is not None:
             with self._registry:
                 self._evidence[key] = _Evidence(
                     coords.staging_key,
                     coords.digest,
+                    coords.extras_digest,
                     generated_tokens,
                     live.effective_output_limit,
                     live.finish_reason,
@@ -428,15 +488,19 @@ class CutServer:
         calls = [(prefix.capture_key, prefix.model_call_id) for prefix in inventory.active_prefixes]
         if len(set(calls)) != len(calls):
             raise GenerationCutError("the inventory names a model call more than once")
+        with self._registry:
+            named = {call: self._calls[call] for call in calls if call in self._calls}
         locked: list[LiveCall] = []
         plans: list[_CutPlan] = []
         acks: list[GenerationCutPrefixAck] = []
         try:
+            # One global lock order (by call), whatever the inventory's ticket order: two cuts
+            # naming the same calls in different orders must not wait on each other.
+            for call in sorted(named):
+                named[call].lifecycle.acquire()
+                locked.append(named[call])
             for prefix in inventory.active_prefixes:
-                live = self._calls.get((prefix.capture_key, prefix.model_call_id))
-                if live is not None:
-                    live.lifecycle.acquire()
-                    locked.append(live)
+                live = named.get((prefix.capture_key, prefix.model_call_id))
                 if live is None or live.terminal:
                     acks.append(self._terminal_ack(prefix, inventory.checkpoint_id))
                     continue
@@ -526,7 +590,7 @@ class CutServer:
     def _terminal_ack(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> GenerationCutPrefixAck:
         identity = _identity(prefix)
         evidence = self._fresh_evidence((prefix.capture_key, prefix.model_call_id))
-        if evidence is None or evidence.effective_output_limit is None or evidence.finish_reason is None:
+        if evidence is None or not evidence.restorable:
             return GenerationCutPrefixAck(**identity, disposition="durable_failure")
         return GenerationCutPrefixAck(
             **identity,

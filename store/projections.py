@@ -142,6 +142,10 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
     base = current or CallState(event.rollout_id, event.model_call_id, 0, "admitted")
     version, seq = event.stream_version, event.seq
     body = event.body
+    if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:
+        # The capture refuses to admit a finished call again; an admission that reached the
+        # log anyway (a racing worker) must not hide the call's staged terminal record.
+        return replace(base, stream_version=version, last_seq=seq)
     if event.kind is EventKind.CALL_ADMITTED:
         assert isinstance(body, AdmissionBody)
         continuation = body.continues

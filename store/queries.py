@@ -81,11 +81,21 @@ class StoredCompletion:
 
     staging_key: str
     digest: str
+    extras_digest: str
     generated_tokens: int
     effective_output_limit: int | None
     finish_reason: str | None
     stop_reason: str | int | None
     recorded_at: float
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A staged record as the log holds it: its snapshot, version spans and event kind."""
+
+    snapshot: StagedCallSnapshot
+    spans: list[Span]
+    kind: EventKind
 
 
 class Reader:
@@ -104,12 +114,10 @@ class Reader:
             raise storage_error(action, exc) from exc
 
     def fetch(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StagedCallSnapshot]:
-        return [snapshot for snapshot, _ in self.fetch_with_spans(keys, verify_digests=verify_digests)]
+        return [chunk.snapshot for chunk in self.fetch_with_spans(keys, verify_digests=verify_digests)]
 
-    def fetch_with_spans(
-        self, keys: Sequence[str], *, verify_digests: bool = True
-    ) -> list[tuple[StagedCallSnapshot, list[Span]]]:
-        """Snapshots with the policy-version spans their events recorded, in the order asked."""
+    def fetch_with_spans(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StoredChunk]:
+        """Snapshots with the policy-version spans and kind of their events, in the order asked."""
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             if not isinstance(key, str) or not key:
@@ -130,8 +138,8 @@ class Reader:
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise UnknownKeyError(f"no staged record under {len(missing)} key(s): {shown}")
-        snapshots = {key: snapshot_from_row(row, verify_digest=verify_digests) for key, row in rows.items()}
-        return [snapshots[key] for key in keys]
+        chunks = {key: _stored_chunk(row, verify_digests) for key, row in rows.items()}
+        return [chunks[key] for key in keys]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
         calls = schema.calls
@@ -169,6 +177,7 @@ class Reader:
         return StoredCompletion(
             staging_key=row.staging_key,
             digest=body.digest,
+            extras_digest=body.extras_digest,
             generated_tokens=sum(end - start for start, end, _ in body.spans),
             effective_output_limit=completion.effective_output_limit if completion else None,
             finish_reason=completion.finish_reason if completion else None,
@@ -190,6 +199,11 @@ class Reader:
         if frame_checksum(bytes(row.body)) != bytes(row.checksum):
             raise CorruptRecordError(f"the stored receipt of checkpoint {checkpoint_id!r} failed its checksum")
         return bytes(decode_body(EventKind(row.kind), bytes(row.body)).receipt)
+
+
+def _stored_chunk(row: Any, verify_digest: bool) -> StoredChunk:
+    snapshot, spans = snapshot_from_row(row, verify_digest=verify_digest)
+    return StoredChunk(snapshot, spans, EventKind(row.kind))  # the kind decoded fine just above
 
 
 def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> tuple[StagedCallSnapshot, list[Span]]:

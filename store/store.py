@@ -23,7 +23,7 @@ from store.events import (
 )
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
-from store.queries import CallInfo, Reader, StoredCompletion, VersionSpan
+from store.queries import CallInfo, Reader, StoredChunk, StoredCompletion, VersionSpan
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
 
@@ -154,8 +154,9 @@ class Store:
             raise InvalidRecordError("fetch() takes a list of staging keys, not a single string")
         return self._reader.fetch(list(keys))
 
-    def fetch_chunks(self, keys: Sequence[str]) -> list[tuple[StagedCallSnapshot, list[Span]]]:
-        """Like ``fetch``, with each record's version spans; checksums verified, digests not re-hashed.
+    def fetch_chunks(self, keys: Sequence[str]) -> list[StoredChunk]:
+        """Like ``fetch``, with each record's version spans and event kind; checksums verified,
+        digests not re-hashed.
 
         Only for callers that verify one digest over the concatenation, as restoring a
         generation cut does (the rebuilt prefix must match the continuation's digest).

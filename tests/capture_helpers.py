@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import sqlalchemy as sa
+
 from store import Store
 
 
@@ -36,3 +38,20 @@ def writes_nothing(store: Store, *calls: tuple[str, str]) -> Iterator[None]:
     assert event_count(store) == before, "a refusal must not write to the log"
     for rollout_id, model_call_id in calls:
         assert store.call(rollout_id, model_call_id) is None
+
+
+def damage_token_ids(store: Store, staging_key: str) -> None:
+    """Flip one bit of the stored token ids of the event behind ``staging_key`` (raw SQL)."""
+    with store._engine.begin() as connection:
+        seq, ids = connection.execute(
+            sa.text(
+                "SELECT e.seq, e.token_ids FROM events e JOIN staged_keys k ON k.event_seq = e.seq "
+                "WHERE k.staging_key = :key"
+            ),
+            {"key": staging_key},
+        ).one()
+        damaged = bytearray(ids)
+        damaged[-1] ^= 0x01
+        connection.execute(
+            sa.text("UPDATE events SET token_ids = :ids WHERE seq = :seq"), {"ids": bytes(damaged), "seq": seq}
+        )

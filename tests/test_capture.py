@@ -43,6 +43,7 @@ from store import (
     hash_token_ids,
 )
 from store import digest as digest_module
+from store.events import AdmissionBody
 
 # --- helpers ----------------------------------------------------------------------------------
 
@@ -752,6 +753,48 @@ def test_duplicate_completion_and_failure_are_rejected(store: Store) -> None:
         capture.complete_call(failed, **completion)
     assert event_count(store) == before
     assert_nothing_staged(store, "r0/c2")
+
+
+@pytest.mark.parametrize("finish", ["completed", "failed"])
+def test_a_finished_call_cannot_be_admitted_again(store: Store, finish: str) -> None:
+    capture, _ = make_capture(store)
+    root, prefix = stage_root(capture)
+    call = capture.begin_call(child_admission(root, prefix, "c1"))
+    if finish == "completed":
+        capture.complete_call(call, prompt_token_ids=[*prefix, 20], generated_token_ids=[30], generated_logprobs=[-0.5])
+    else:
+        capture.fail_call(call, reason="abort")
+    finished = store.call("r0", "c1")
+    assert finished is not None and finished.state == finish
+    # Also from another capture (a restarted worker): the log knows the call is finished.
+    for admitting in (capture, make_capture(store)[0]):
+        with writes_nothing(store), pytest.raises(CaptureError, match=f"already {finish}"):
+            admitting.begin_call(child_admission(root, prefix, "c1"))
+    assert store.call("r0", "c1") == finished
+
+
+def test_an_admission_event_on_a_finished_call_does_not_regress_its_projection(store: Store) -> None:
+    capture, _ = make_capture(store)
+    root, prefix = stage_root(capture)
+    call = capture.begin_call(child_admission(root, prefix, "c1"))
+    coords = capture.complete_call(
+        call, prompt_token_ids=[*prefix, 20], generated_token_ids=[30, 31], generated_logprobs=[-0.5, -0.25]
+    )
+    finished = store.call("r0", "c1")
+    assert finished is not None and finished.state == "completed" and finished.generated_tokens == 2
+    # An admission that reached the log anyway (a racing worker): it moves only the stream position.
+    late = AdmissionBody(
+        schema_version=2,
+        parent_call_id="c0",
+        mode="token_in",
+        prev_len=len(prefix),
+        parent_chain_hash=root.chain_hash,
+        weight_version=8,
+    )
+    store.record_admission("r0", "c1", late)
+    assert store.call("r0", "c1") == finished
+    assert coords.staging_key is not None and store.fetch([coords.staging_key])[0].digest == coords.digest
+    assert store.replay().ok, "replay must fold the late admission the same way"
 
 
 def test_concurrent_completions_claim_the_call_once(store: Store) -> None:

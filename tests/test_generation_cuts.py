@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from capture_helpers import Versions, event_count, writes_nothing
+from capture_helpers import Versions, damage_token_ids, event_count, writes_nothing
 from factories import make_record, plain_digest_fields
 from vectors import vectors_by_id
 
@@ -25,6 +25,7 @@ from store import (
     CaptureAdmission,
     CaptureError,
     CommitCoords,
+    CorruptRecordError,
     GenerationCutContinuation,
     GenerationCutError,
     GenerationCutInventory,
@@ -373,6 +374,35 @@ def test_generation_cut_of_a_finished_call_without_evidence_is_a_durable_failure
     assert [ack.disposition for ack in receipt.prefixes] == ["durable_failure"] * 5
     assert all(ack.staging_keys == () and ack.prefix_digest is None for ack in receipt.prefixes)
     assert store.cut_receipt("checkpoint-1", receipt.inventory_digest) is not None
+
+
+@pytest.mark.parametrize("evidence", ["in-memory", "from-the-log"])
+def test_a_call_completed_with_extras_is_not_promised_as_a_restorable_prefix(rollout: Rollout, evidence: str) -> None:
+    """A restore rebuilds the prefix with extras null (5.6), so a terminal record with extras
+    can never match its own digest: such a call is a durable failure, not a terminal completion."""
+    capture = rollout.capture
+    completion: dict[str, Any] = {
+        "prompt_token_ids": [*rollout.prefix, 20, 21],
+        "generated_token_ids": [30, 31],
+        "generated_logprobs": [-0.5, -0.75],
+    }
+    plain, with_extras = rollout.live_call("c1", limit=16), rollout.live_call("c2", limit=16)
+    for call in (plain, with_extras):
+        capture.observe(call, [30, 31], [-0.5, -0.75], finish_reason="stop")
+    assert capture.complete_call(plain, **completion).disposition == "staged"
+    coords = capture.complete_call(with_extras, **completion, extras={"routed_experts": [[[1, 2]], [[3, 4]]]})
+    assert coords.disposition == "staged" and coords.extras_digest != EMPTY_EXTRAS_DIGEST
+    serving = capture if evidence == "in-memory" else rollout.new_capture()
+    receipt = serving.serve_generation_cut(inventory("checkpoint-1", ticket("c1"), ticket("c2")))
+    acks = {ack.model_call_id: ack for ack in receipt.prefixes}
+    assert acks["c1"].cut_kind == "terminal_completion"
+    assert acks["c2"].disposition == "durable_failure" and acks["c2"].staging_keys == ()
+    # Every prefix the receipt promises restores on a replacement.
+    rollout.capture = serving
+    for ack in receipt.prefixes:
+        if ack.disposition == "durable_prefix":
+            replacement = rollout.restore(ack, attempt=1, track=False)
+            assert replacement.continuation is not None and replacement.continuation.is_terminal
 
 
 def test_completed_capture_evidence_expires_by_age(rollout: Rollout) -> None:
@@ -796,6 +826,145 @@ def test_generation_cut_resolved_from_the_log_refuses_each_failed_check(cut: Cut
         rollout.capture.begin_call(admission, **kwargs)
 
 
+@pytest.mark.parametrize("fault", ["damaged-chunk", "storage-error"])
+def test_generation_cut_that_cannot_be_read_is_refused_as_a_capture_error(
+    cut: Cut, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker falls back to regenerating on ``CaptureError``: a damaged chunk or a failing
+    store is a refused continuation (the cause chained), not another error class."""
+    rollout = cut.rollout
+    cause: type[Exception]
+    if fault == "damaged-chunk":
+        damage_token_ids(rollout.store, cut.ack.staging_keys[0])
+        cause = CorruptRecordError
+    else:
+
+        def failing_fetch_chunks(*args: Any, **kwargs: Any) -> Any:
+            raise StorageError("fetching staged records failed: disk I/O error")
+
+        monkeypatch.setattr(rollout.store, "fetch_chunks", failing_fetch_chunks)
+        cause = StorageError
+    with writes_nothing(rollout.store, ("r0-a1", "c1")), pytest.raises(GenerationCutError) as refused:
+        rollout.restore(cut.ack, attempt=1, track=False)
+    assert isinstance(refused.value.__cause__, cause)
+
+
+def rebuilt_continuation(
+    store: Store,
+    keys: Sequence[str],
+    *,
+    source: tuple[str, str],
+    admission: CaptureAdmission,
+    prefix: Sequence[int],
+    finish: str | None = None,
+) -> GenerationCutContinuation:
+    """A continuation naming ``keys`` whose count and digest are recomputed exactly as a restore
+    rebuilds them from those chunks (5.6): only the chunks' identity can show it is forged."""
+    chunks = store.fetch(list(keys))
+    ids = [token for chunk in chunks for token in chunk.token_ids_delta]
+    mask = [flag for chunk in chunks for flag in chunk.token_mask_delta]
+    logprobs = [lp for chunk in chunks for lp in chunk.generation_log_probs_delta]
+    digest = compute_staging_digest(
+        schema_version=admission.schema_version,
+        digest_version=2,
+        extras_digest_version=1,
+        rollout_id=source[0],
+        model_call_id=source[1],
+        parent_call_id=admission.parent_call_id,
+        mode=admission.mode,
+        prev_len=admission.prev_len,
+        delta_len=len(ids),
+        cum_len=admission.prev_len + len(ids),
+        weight_version=chunks[0].weight_version,
+        token_ids_delta=ids,
+        token_mask_delta=mask,
+        generation_log_probs_delta=logprobs,
+        extras_digest=EMPTY_EXTRAS_DIGEST,
+        chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
+        cumulative_hash=hash_token_ids([*prefix, *ids]),
+    )
+    return GenerationCutContinuation(
+        source_capture_key=source[0],
+        source_model_call_id=source[1],
+        staging_keys=tuple(keys),
+        generation_token_count=int(sum(mask)),
+        digest=digest,
+        effective_output_limit=16,
+        terminal_finish_reason=finish,
+    )
+
+
+@pytest.mark.parametrize(("rollout_id", "model_call_id"), [("r9", "c1"), ("r0", "c2")], ids=["rollout", "call"])
+def test_generation_cut_refuses_a_chunk_of_another_call(cut: Cut, rollout_id: str, model_call_id: str) -> None:
+    rollout = cut.rollout
+    store = rollout.store
+    # The very tokens of r0/c1's cut, staged as the cut prefix of another rollout's (or call's) c1.
+    record = make_record(
+        rollout_id=rollout_id,
+        model_call_id=model_call_id,
+        parent_call_id="c0",
+        parent_chain_hash=rollout.root.chain_hash,
+        prefix=rollout.prefix,
+        prompt=[20, 21],
+        generated=[30, 31],
+        logprobs=[-0.5, -0.75],
+        weight_version=7,
+    )
+    key = chunk_key("checkpoint-1", rollout_id, model_call_id, 0)
+    assert store.stage(record, staging_key=key, kind=lib.EventKind.PREFIX_STAGED).ok
+    # The rebuilt digest covers the tokens, not whose they are: it is the honest cut's digest.
+    forged = _continuation(cut, staging_keys=(key,))
+    assert (
+        forged.digest
+        == rebuilt_continuation(
+            store, [key], source=("r0", "c1"), admission=rollout.admission(attempt=1), prefix=rollout.prefix
+        ).digest
+    )
+    with writes_nothing(store, ("r0-a1", "c1")), pytest.raises(GenerationCutError, match="not of the cut call"):
+        rollout.capture.begin_call(rollout.admission(attempt=1, continuation=forged))
+
+
+def test_generation_cut_refuses_a_terminal_record_named_as_an_unfinished_prefix(rollout: Rollout) -> None:
+    store = rollout.store
+    admission = CaptureAdmission(rollout_id="r0-a1", model_call_id="c0", mode="text")
+
+    def replacement(finish: str | None) -> CaptureAdmission:
+        """Attempt 1 of the root c0, continuing a cut that names c0's terminal record."""
+        continuation = rebuilt_continuation(
+            store, ["r0/c0"], source=("r0", "c0"), admission=admission, prefix=[], finish=finish
+        )
+        assert continuation.digest == rollout.root.digest
+        return CaptureAdmission(rollout_id="r0-a1", model_call_id="c0", mode="text", generation_cut=continuation)
+
+    # Not finished, says the continuation: but the record is the call's finished answer.
+    with writes_nothing(store, ("r0-a1", "c0")), pytest.raises(GenerationCutError, match="call_completed record"):
+        rollout.capture.begin_call(replacement(None))
+    # As a terminal completion (it finished, with a reason) the same record restores.
+    call = rollout.capture.begin_call(replacement("stop"))
+    assert call.continuation is not None and call.continuation.is_terminal
+
+
+def test_generation_cut_refuses_later_chunks_without_their_cumulative_prefix(rollout: Rollout) -> None:
+    flushing(rollout, threshold=2)
+    capture, store = rollout.capture, rollout.store
+    call = rollout.live_call()
+    capture.observe(call, [30, 31], [-0.5, -0.75])
+    assert capture.flush_due() == 1
+    capture.observe(call, [32], [-0.125])
+    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-1")))
+    first, second = ack.staging_keys
+    admission = rollout.admission(attempt=1)
+    honest = rebuilt_continuation(
+        store, [first, second], source=("r0", "c1"), admission=admission, prefix=rollout.prefix
+    )
+    assert honest.digest == ack.prefix_digest
+    # The generation-only chunk alone: no carry, a consistent count and digest, but not a prefix.
+    forged = rebuilt_continuation(store, [second], source=("r0", "c1"), admission=admission, prefix=rollout.prefix)
+    with writes_nothing(store, ("r0-a1", "c1")), pytest.raises(GenerationCutError, match="chunk_staged record"):
+        capture.begin_call(rollout.admission(attempt=1, continuation=forged))
+    assert capture.begin_call(rollout.admission(attempt=1, continuation=honest)).generation_cut is not None
+
+
 def test_generation_cut_chunks_must_be_ordered_with_the_carry_first(rollout: Rollout) -> None:
     flushing(rollout, threshold=2)
     capture, store = rollout.capture, rollout.store
@@ -954,6 +1123,27 @@ def test_restored_prefix_at_output_limit_is_terminal(rollout: Rollout) -> None:
     assert record.chain_hash == compute_chain_hash(rollout.root.chain_hash, [20, 21, 30, 31])
     with pytest.raises(CaptureError, match="already completed"):
         capture.finish_restored_call(replacement)
+
+
+def test_a_restored_terminal_completion_cut_again_before_it_finishes_still_restores(rollout: Rollout) -> None:
+    """A replacement restored from a terminal record, cut before it returns its answer: its cut
+    names that terminal record and must carry its finish, so the next attempt can restore it."""
+    capture = rollout.capture
+    call = rollout.live_call(limit=16)
+    capture.observe(call, [30, 31], [-0.5, -0.75], finish_reason="stop", stop_reason="</s>")
+    capture.complete_call(
+        call, prompt_token_ids=[*rollout.prefix, 20, 21], generated_token_ids=[30, 31], generated_logprobs=[-0.5, -0.75]
+    )
+    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-1")))
+    assert ack.cut_kind == "terminal_completion"
+    replacement = rollout.restore(ack, attempt=1)  # tracked, not yet finished
+    again = only_ack(capture.serve_generation_cut(inventory("checkpoint-2", ticket("c1", attempt=1))))
+    assert again.disposition == "durable_prefix" and again.staging_keys == ("r0/c1",)
+    assert (again.terminal_finish_reason, again.terminal_stop_reason) == ("stop", "</s>")
+    restored = rollout.restore(again, attempt=2, track=False)
+    assert restored.continuation is not None and restored.continuation.is_terminal
+    assert capture.finish_restored_call(restored).disposition == "staged"
+    assert capture.finish_restored_call(replacement).disposition == "staged"
 
 
 def test_continued_call_rejects_a_prompt_other_than_prefix_plus_cut(cut: Cut) -> None:
