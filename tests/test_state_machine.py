@@ -3,7 +3,8 @@
 A hypothesis ``RuleBasedStateMachine`` drives one store and one worker capture through
 admissions, decoding, cuts (also two at once over shared calls), periodic flushes,
 completions, failures, crashes (all process state dropped, the store reopened), restores
-that continue a cut call as the next attempt, replays and forks.  After every step:
+that continue a cut call as the next attempt (sometimes under a newer policy version),
+repeated inventories, and forks.  After every step:
 
 * every acknowledged key fetches and verifies as *its* record (rollout, call, digest, tokens);
 * the projections equal a replay of the log;
@@ -112,6 +113,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.lost: list[LostCall] = []
         self.receipts: list[tuple[GenerationCutInventory, bytes]] = []
         self.counter = 0
+        self.forks = 0
         self.last_seq = 0
 
     def _open(self) -> None:
@@ -146,9 +148,11 @@ class StoreMachine(RuleBasedStateMachine):
     def first_call(self, prompt: list[int]) -> None:
         self.admit(prompt)
 
-    @rule(prompt=st.lists(st.integers(0, 2**32), min_size=1, max_size=4))
-    def admit(self, prompt: list[int]) -> None:
+    @rule(prompt=st.lists(st.integers(0, 2**32), min_size=1, max_size=4), new_policy=st.booleans())
+    def admit(self, prompt: list[int], new_policy: bool = False) -> None:
+        """Admit a new rollout's call (after the trainer published a new policy version, sometimes)."""
         self.steps["admit"] += 1
+        self.version += new_policy
         rollout_id, call_id = self._next("r"), "c0"
         call = self.capture.begin_call(CaptureAdmission(rollout_id=rollout_id, model_call_id=call_id, mode="text"))
         self.capture.track(call, prompt_token_ids=prompt, effective_output_limit=OUTPUT_LIMIT)
@@ -165,11 +169,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.capture.observe(model.call, tokens, [-(t % 7) / 4 for t in tokens])
         model.generated += tokens
 
-    @rule()
-    def bump_version(self) -> None:
-        self.steps["bump_version"] += 1
-        self.version += 1
-
+    @precondition(has_live)
     @rule()
     def flush(self) -> None:
         self.steps["flush"] += 1
@@ -306,6 +306,7 @@ class StoreMachine(RuleBasedStateMachine):
         info = self.store.call(*key)
         assert info is not None and info.state == "failed"
 
+    @precondition(lambda self: any(key in self.acks for key in self.live))
     @rule()
     def crash(self) -> None:
         """Drop all process state: live calls die; those with an acknowledged cut can be restored."""
@@ -321,10 +322,11 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
 
     @precondition(lambda self: bool(self.lost))
-    @rule(data=st.data())
-    def restore(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), new_policy=st.booleans())
+    def restore(self, data: st.DataObject, new_policy: bool) -> None:
         """Continue a lost call's acknowledged cut as the next attempt, resolved from the log."""
         self.steps["restore"] += 1
+        self.version += new_policy
         lost = self.lost.pop(data.draw(st.integers(0, len(self.lost) - 1)))
         source, ack = lost.model, lost.ack
         assert ack.prefix_digest is not None and ack.prefix_token_count is not None
@@ -364,25 +366,20 @@ class StoreMachine(RuleBasedStateMachine):
         )
         self.live[model.key] = model
 
-    @rule()
-    def replay(self) -> None:
-        self.steps["replay"] += 1
-        report = self.store.replay()
-        assert report.ok, report.summary()
-
+    @precondition(lambda self: bool(self.receipts))
     @rule()
     def reserve_an_old_inventory(self) -> None:
         """The same inventory gets the identical receipt, also after a restart."""
         self.steps["reserve_an_old_inventory"] += 1
-        if not self.receipts:
-            return
         inventory, receipt = self.receipts[len(self.receipts) // 2]
         assert to_json(self.capture.serve_generation_cut(inventory)) == receipt
 
+    @precondition(lambda self: self.forks < 2)  # forking is slow; twice a sequence is enough
     @rule(prompt=st.lists(st.integers(0, 2**32), min_size=1, max_size=3))
     def fork(self, prompt: list[int]) -> None:
         """A forked child stages through the parent's store; the parent sees its record."""
         self.steps["fork"] += 1
+        self.forks += 1
         record = make_record(rollout_id=self._next("fork"), model_call_id="c0", prompt=prompt, weight_version=1)
         pid = os.fork()
         if pid == 0:  # the child: stage, and leave without running any of the parent's cleanup

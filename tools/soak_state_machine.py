@@ -9,6 +9,7 @@ sequence that breaks an invariant (hypothesis prints the shrunk sequence).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50, help="steps per sequence at most (default 50)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default random)")
     args = parser.parse_args()
+    logging.disable(logging.WARNING)  # failed captures are part of the workload
     machine = StoreMachine
     if args.seed is not None:
         machine = seed(args.seed)(StoreMachine)
