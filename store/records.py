@@ -422,6 +422,8 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         ``delta_len`` and ``cum_len`` follow from the columns.  Structural checks still run;
         the digest is not recomputed during construction.
         """
+        if extras is not None and not isinstance(extras, Mapping):  # dict("") would be {}: never guess
+            raise _fail(cls.__name__, f"extras must be a mapping or None, got {type(extras).__name__}")
         payload = dict(extras) if extras is not None else None
         try:
             extras_digest = _digest.compute_extras_digest(payload)
