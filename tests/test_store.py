@@ -290,6 +290,45 @@ def test_a_cut_key_of_its_own_call(store: Store) -> None:
     assert store.stage(record, staging_key=key, kind="prefix_staged").ok  # idempotent, the kind as its value
 
 
+def test_a_call_withdraws_only_its_own_cut_keys(store_url: str, store: Store) -> None:
+    mine, other = make_record(model_call_id="mine"), make_record(model_call_id="other")
+    my_cut, other_cut = (lib.chunk_staging_key("k", "rollout-1", call, 0) for call in ("mine", "other"))
+    for record, cut_key in ((mine, my_cut), (other, other_cut)):
+        assert store.stage(record).ok
+        assert store.stage(record, staging_key=cut_key, kind=EventKind.PREFIX_STAGED).ok
+    events = event_count(store_url)
+    for keys in (
+        [mine.staging_key],  # its own terminal record
+        [other.staging_key],  # another call's terminal record
+        [other_cut],  # another call's cut key
+        [my_cut, other.staging_key],  # all or nothing
+        ["rollout-1/mine/extra"],
+        ["__generation_cut__/rollout-1/mine/0"],  # no checkpoint id
+    ):
+        with pytest.raises(lib.InvalidRecordError, match="withdraw"):
+            store.clear_keys("rollout-1", "mine", keys, "rolled back")
+        assert event_count(store_url) == events
+    assert len(store.fetch([mine.staging_key, other.staging_key, my_cut, other_cut])) == 4
+
+    store.clear_keys("rollout-1", "mine", [my_cut, lib.chunk_staging_key("k", "rollout-1", "mine", 1)], "rolled back")
+    with pytest.raises(lib.UnknownKeyError):
+        store.fetch([my_cut])
+    assert event_count(store_url) == events + 1
+    assert store.replay().ok
+
+
+def test_a_cut_key_named_for_a_call_but_held_by_another_is_not_withdrawn(store_url: str, store: Store) -> None:
+    # Ids with "/" make one key name two calls: ("b", "c") at checkpoint "x/a", and ("a/b", "c") at "x".
+    holder = make_record(rollout_id="a/b", model_call_id="c")
+    key = lib.chunk_staging_key("x", "a/b", "c", 0)
+    assert key == lib.chunk_staging_key("x/a", "b", "c", 0)
+    assert store.stage(holder, staging_key=key, kind=EventKind.PREFIX_STAGED).ok
+    with pytest.raises(lib.InvalidRecordError, match="holds a record of a/b/c"):
+        store.clear_keys("b", "c", [key], "not mine")
+    assert store.fetch([key])[0].rollout_id == "a/b"
+    assert event_count(store_url) == 1
+
+
 # --- reopen and close --------------------------------------------------------------------------
 
 
