@@ -19,6 +19,7 @@ from store.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
 from store.digest import check_nesting
 from store.errors import InvalidRecordError
 from store.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Span, decode_body, encode_body
+from store.records import _short as _shown
 
 _U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)
@@ -167,13 +168,6 @@ def extras(value: Any) -> None:
         check_nesting(value)
     except ValueError as exc:
         raise InvalidRecordError(str(exc)) from exc
-
-
-def _shown(value: Any) -> str:
-    """``repr`` for an error message, cut short (a hostile int may have thousands of digits)."""
-    big = type(value) is int and value.bit_length() >= 256
-    shown = f"an int of {value.bit_length()} bits" if big else repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def sequence_of(name: str, value: Any, kind: type) -> Sequence[Any]:

@@ -72,8 +72,9 @@ def _positive(record: str, name: str, value: Any) -> None:
 
 def _short(value: Any) -> str:
     """``repr`` for an error message, cut short (a hostile int may have thousands of digits)."""
-    text = repr(value) if type(value) is not int or value.bit_length() < 256 else f"an int of {value.bit_length()} bits"
-    return text if len(text) <= 80 else text[:77] + "..."
+    big = type(value) is int and value.bit_length() >= 256
+    shown = f"an int of {value.bit_length()} bits" if big else repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def _digest_hex(record: str, name: str, value: Any) -> None:
@@ -781,20 +782,20 @@ def _encode(encoder: Any, record: msgspec.Struct) -> bytes:
 
 def from_json(data: bytes | str, record_type: type[T]) -> T:
     """Decode and fully validate a record (a staged record's digest is verified)."""
-    decoder = _JSON_DECODERS.get(record_type)
+    decoder = _JSON_DECODERS.get(_wire_type(record_type))
     if decoder is None:
-        decoder = _JSON_DECODERS[record_type] = msgspec.json.Decoder(_wire_type(record_type))
+        decoder = _JSON_DECODERS[record_type] = msgspec.json.Decoder(record_type)
     return _decode(decoder, data, record_type, (bytes, bytearray, memoryview, str))
 
 
 def from_msgpack(data: bytes, record_type: type[T]) -> T:
-    decoder = _MSGPACK_DECODERS.get(record_type)
+    decoder = _MSGPACK_DECODERS.get(_wire_type(record_type))
     if decoder is None:
-        decoder = _MSGPACK_DECODERS[record_type] = msgspec.msgpack.Decoder(_wire_type(record_type))
+        decoder = _MSGPACK_DECODERS[record_type] = msgspec.msgpack.Decoder(record_type)
     return _decode(decoder, data, record_type, (bytes, bytearray, memoryview))
 
 
-def _wire_type(record_type: Any) -> Any:
+def _wire_type(record_type: type[T]) -> type[T]:
     if not (isinstance(record_type, type) and issubclass(record_type, msgspec.Struct)):
         raise InvalidRecordError(f"record_type must be a wire record class, got {record_type!r}")
     return record_type

@@ -309,7 +309,7 @@ def test_wrong_input_types_and_surrogates_in_text_input(example: msgspec.Struct)
             from_msgpack(wrong, record_type)  # type: ignore[arg-type]
     with pytest.raises(InvalidRecordError):
         from_msgpack(text, record_type)  # type: ignore[arg-type]  # msgpack is bytes, never text
-    for wrong_type in (int, "StageResult", None, dict):
+    for wrong_type in (int, "StageResult", None, dict, [StageResult]):
         with pytest.raises(InvalidRecordError, match="record_type"):
             from_json(to_json(example), wrong_type)  # type: ignore[arg-type]
 
