@@ -16,7 +16,7 @@ import numpy as np
 
 from store.columns import FloatColumn
 from store.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
-from store.digest import check_nesting
+from store.digest import compute_extras_digest
 from store.errors import InvalidRecordError
 from store.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Span, decode_body, encode_body
 from store.records import _short as _shown
@@ -162,12 +162,18 @@ def completion(value: Any) -> Completion | None:
     return value
 
 
-def extras(value: Any) -> None:
-    """A record's extras are checked when it is built; a payload changed in place since is checked again."""
+def extras(payload: Any, extras_digest: str) -> None:
+    """A record's extras were checked when it was built, but its dict stays mutable: a payload
+    changed since (too deep, containing itself, not writable, or just different) would be
+    acknowledged and then never verify again, so it is checked against its digest here."""
+    if payload is None:
+        return
     try:
-        check_nesting(value)
-    except ValueError as exc:
-        raise InvalidRecordError(str(exc)) from exc
+        computed = compute_extras_digest(payload)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRecordError(f"the record's extras changed since it was built: {exc}") from exc
+    if computed != extras_digest:
+        raise InvalidRecordError("the record's extras changed since it was built: they no longer match extras_digest")
 
 
 def sequence_of(name: str, value: Any, kind: type) -> Sequence[Any]:

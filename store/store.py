@@ -139,7 +139,7 @@ class Store:
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
         kind = arguments.record_kind(entry.kind)
         key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, entry.staging_key, kind)
-        arguments.extras(record.extras)
+        arguments.extras(record.extras, record.extras_digest)
         columns = record.columns
         if entry.spans is None:  # a terminal record: its generated tokens, at its version
             spans = generated_spans(columns.token_mask, record.weight_version)

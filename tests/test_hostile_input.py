@@ -375,6 +375,10 @@ def test_stage_refuses_extras_made_too_deep_after_construction(store: Store) -> 
         store.stage(record)
     with pytest.raises(InvalidRecordError):
         store.stage_all([StageEntry(record)])
+    for unwritable in ("\ud800", 2**64, {1, 2}, b"bytes", 2, math.nan):
+        record.extras["deep"] = [unwritable]  # [2] is writable, but no longer the record's extras
+        with pytest.raises(InvalidRecordError, match="changed since it was built"):
+            store.stage(record)
     assert store.replay().events == 0
 
 
