@@ -17,6 +17,7 @@ from store.cut_records import (
 )
 from store.digest import (
     EMPTY_EXTRAS_DIGEST,
+    EXTRAS_MAX_DEPTH,
     STAGING_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
     build_staging_delta,
@@ -86,6 +87,7 @@ __all__ = [
     "DigestTypeError",
     "DigestValueError",
     "EMPTY_EXTRAS_DIGEST",
+    "EXTRAS_MAX_DEPTH",
     "EventKind",
     "FloatColumn",
     "GenerationCutContinuation",

@@ -9,6 +9,7 @@ locally built record is hashed once; completion stages before it returns coordin
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -169,6 +170,7 @@ class RolloutTokenCapture:
             raise CaptureError(f"store must be a store.Store, got {type(store).__name__}")
         if not callable(weight_version_fn):
             raise CaptureError("weight_version_fn must be callable")
+        _check_flush_options(flush_threshold_tokens, flush_interval, completion_evidence_ttl)
         self.store = store
         self._weight_version_fn = weight_version_fn
         self.adapter = adapter
@@ -197,8 +199,17 @@ class RolloutTokenCapture:
         """
         if not isinstance(admission, CaptureAdmission):
             raise AdmissionTypeError(f"begin_call needs a CaptureAdmission, got {type(admission).__name__}")
+        if type(stream) is not bool:
+            raise CaptureError(f"stream must be True or False, got {stream!r}")
         if stream:
             raise StreamingUnsupportedError("token capture needs the whole response; stream=True is refused")
+        if generation_cut_staging_keys is not None and not (
+            isinstance(generation_cut_staging_keys, (list, tuple))
+            and all(isinstance(key, str) for key in generation_cut_staging_keys)
+        ):
+            raise CaptureError(
+                f"generation_cut_staging_keys must be a list of keys, got {generation_cut_staging_keys!r}"
+            )
         prefix = resolve_prefix(admission, prefix_token_ids)
         version = self._stamp(weight_version)
         self._refuse_finished_call(admission)
@@ -252,6 +263,7 @@ class RolloutTokenCapture:
         extras: Mapping[str, Any] | None = None,
     ) -> StagedCallRecord:
         """A validated snapshot of a live call, without touching its completion state."""
+        _active(call)
         admission = call.admission
         prompt = _ids(prompt_token_ids, "prompt_token_ids")
         generated = _ids(generated_token_ids, "generated_token_ids")
@@ -293,6 +305,7 @@ class RolloutTokenCapture:
         self, call: ActiveCall, *, generated_token_ids: Sequence[int], generated_logprobs: Sequence[float]
     ) -> StagedCallRecord:
         """Only newly generated tokens, at the call's current version (chunk-local hashes)."""
+        _active(call)
         admission = call.admission
         ids = _ids(generated_token_ids, "generated_token_ids")
         logprobs = _floats(generated_logprobs, "generated_logprobs")
@@ -317,6 +330,9 @@ class RolloutTokenCapture:
 
     def record_spans(self, call: ActiveCall, record: StagedCallRecord) -> list[Span]:
         """Which policy version generated which positions of a record built for ``call``."""
+        _active(call)
+        if not isinstance(record, StagedCallBaseSnapshot):
+            raise CaptureError(f"record_spans needs a staged record, got {type(record).__name__}")
         restored = len(call.generation_cut.token_ids_delta) if call.generation_cut is not None else 0
         tail = record.columns.token_mask[restored:]
         return [*call.restored_spans, *generated_spans(tail, call.weight_version, offset=restored)]
@@ -333,6 +349,7 @@ class RolloutTokenCapture:
         extras: Mapping[str, Any] | None = None,
     ) -> CommitCoords:
         """Build, claim, stage, then return coordinates; data problems give ``capture_failed``."""
+        _active(call)
         with self.cuts.terminal_gate(call) as gate:
             try:
                 record = self.build_prefix_record(
@@ -380,6 +397,7 @@ class RolloutTokenCapture:
 
     def complete_call_from_response(self, call: ActiveCall, payload: Any) -> CommitCoords:
         """Extract prompt, generation and extras with the adapter, then ``complete_call``."""
+        _active(call)
         if self.adapter is None:
             raise CaptureError("complete_call_from_response needs a CaptureAdapter")
         try:
@@ -396,6 +414,7 @@ class RolloutTokenCapture:
 
     def finish_restored_call(self, call: ActiveCall) -> CommitCoords:
         """Complete a continued call whose restored prefix is the whole answer (5.8)."""
+        _active(call)
         continuation = call.continuation
         if continuation is None or not continuation.is_terminal:
             raise CaptureError("finish_restored_call needs a continued call whose cut is terminal")
@@ -408,6 +427,7 @@ class RolloutTokenCapture:
 
     def fail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
         """Claim the call and return ``capture_failed`` coordinates."""
+        _active(call)
         with self.cuts.terminal_gate(call):
             call.claim_completion()
             return self._failed(call, reason)
@@ -435,7 +455,13 @@ class RolloutTokenCapture:
 
     def track(self, call: ActiveCall, *, prompt_token_ids: Sequence[int], effective_output_limit: int | None) -> None:
         """Register a live call for cuts: its exact engine prompt and resolved output budget."""
-        self.cuts.track(call, _ids(prompt_token_ids, "prompt_token_ids"), effective_output_limit)
+        _active(call)
+        limit = effective_output_limit
+        if limit is not None and type(limit) is int and limit > _U64_MAX:  # acks and completions carry it as a u64
+            raise CaptureError(
+                f"effective_output_limit must be at most 2**64-1, got an int of {limit.bit_length()} bits"
+            )
+        self.cuts.track(call, _ids(prompt_token_ids, "prompt_token_ids"), limit)
 
     def observe(
         self,
@@ -447,6 +473,7 @@ class RolloutTokenCapture:
         stop_reason: str | int | None = None,
     ) -> None:
         """Append newly decoded tokens of a tracked call."""
+        _active(call)
         self.cuts.observe(call, token_ids, logprobs, finish_reason, stop_reason)
 
     def serve_generation_cut(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
@@ -551,6 +578,24 @@ def _admission_body(call: ActiveCall) -> AdmissionBody:
         restored_spans=list(call.restored_spans),
         restored_delta_len=call.generation_cut.delta_len if call.generation_cut is not None else 0,
     )
+
+
+def _active(call: Any) -> None:
+    if not isinstance(call, ActiveCall):
+        raise CaptureError(f"expected the ActiveCall that begin_call returned, got {type(call).__name__}")
+
+
+def _check_flush_options(threshold: Any, interval: Any, ttl: Any) -> None:
+    if type(threshold) is not int or threshold < 0:
+        raise CaptureError(f"flush_threshold_tokens must be a non-negative int, got {threshold!r}")
+    if type(interval) not in (int, float) or not 0 < interval <= _MAX_FLUSH_INTERVAL:
+        raise CaptureError(f"flush_interval must be seconds in (0, {_MAX_FLUSH_INTERVAL}], got {interval!r}")
+    if type(ttl) not in (int, float) or not 0 <= ttl < math.inf:
+        raise CaptureError(f"completion_evidence_ttl must be a non-negative number of seconds, got {ttl!r}")
+
+
+_MAX_FLUSH_INTERVAL = 3600.0
+_U64_MAX = 2**64 - 1
 
 
 def _ids(values: Sequence[int], name: str) -> TokenIds:

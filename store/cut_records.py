@@ -23,7 +23,7 @@ from store.records import (
     _unique,
 )
 
-_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 GENERATION_CUT_KEY_PREFIX = "__generation_cut__"
 
 
@@ -34,6 +34,19 @@ def capture_key(rollout_id: str, attempt_index: int) -> str:
 
 def chunk_staging_key(checkpoint_id: str, capture: str, model_call_id: str, sequence: int) -> str:
     return f"{GENERATION_CUT_KEY_PREFIX}/{checkpoint_id}/{capture}/{model_call_id}/{sequence}"
+
+
+def is_cut_key_of(key: str, capture: str, model_call_id: str) -> bool:
+    """Whether ``key`` is a cut or flush chunk key (``chunk_staging_key``) of this call, at any checkpoint."""
+    prefix, call = f"{GENERATION_CUT_KEY_PREFIX}/", f"/{capture}/{model_call_id}"
+    head, _, sequence = key.rpartition("/")
+    return (
+        sequence.isascii()
+        and sequence.isdigit()
+        and head.startswith(prefix)
+        and head.endswith(call)
+        and len(head) > len(prefix) + len(call)  # a non-empty checkpoint id between them
+    )
 
 
 class _CutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -47,13 +60,15 @@ class GenerationCutPrefix(_CutWire, frozen=True, kw_only=True):
     rollout_id: str
     attempt_index: int
     model_call_id: str
-    admitted_at: float
+    admitted_at: float | int  # an int stays an int when decoded (msgspec would make 1 into 1.0), and is refused
 
     def __post_init__(self) -> None:
         name = "GenerationCutPrefix"
         _identifier(name, "ticket_id", self.ticket_id)
-        if not isinstance(self.rollout_id, str) or not _ROLLOUT_ID.match(self.rollout_id):
-            raise _fail(name, f"rollout_id must match {_ROLLOUT_ID.pattern}, got {self.rollout_id!r}")
+        if not isinstance(self.rollout_id, str) or not _ROLLOUT_ID.fullmatch(self.rollout_id):
+            raise _fail(
+                name, f"rollout_id must be letters, digits, '.', '_' or '-' (not first), got {self.rollout_id!r}"
+            )
         _non_negative(name, "attempt_index", self.attempt_index)
         _identifier(name, "model_call_id", self.model_call_id)
         _strict_float(name, "admitted_at", self.admitted_at, optional=False)
@@ -130,7 +145,7 @@ class GenerationCutPrefixAck(_CutWire, frozen=True, kw_only=True):
     rollout_id: str
     attempt_index: int
     model_call_id: str
-    admitted_at: float
+    admitted_at: float | int  # an int stays an int when decoded (msgspec would make 1 into 1.0), and is refused
     disposition: AckDisposition
     cut_kind: CutKind | None = None
     frozen_buffer_id: str | None = None

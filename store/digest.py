@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -29,6 +29,10 @@ STAGING_SCHEMA_VERSION: Final = 2
 STAGING_DIGEST_VERSION = 2
 EXTRAS_DIGEST_VERSION = 1
 CAPTURE_MODES = ("text", "token_in")
+# How deeply extras may nest: the extras mapping is level 1, each list or dict inside adds one.
+# Deeper extras, and extras that contain themselves, are refused wherever they enter, so every
+# acknowledged record decodes and re-hashes far below Python's recursion limit.
+EXTRAS_MAX_DEPTH: Final = 32
 
 _U64_MAX = 2**64 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -121,7 +125,62 @@ def compute_extras_digest(extras: Any) -> str:
     return hasher.hexdigest()
 
 
-def _encode_extras(value: Any, out: list[bytes]) -> None:
+def _encode_extras(root: Any, out: list[bytes]) -> None:
+    """``ENC`` of 2.4 without recursion: an explicit stack of the containers being encoded.
+
+    Python's stack never limits what can be hashed, so what is refused is decided here:
+    nesting deeper than ``EXTRAS_MAX_DEPTH``, or a container that contains itself.
+    """
+    pending: list[Iterator[Any]] = [iter((root,))]
+    path: list[int] = []  # ids of the containers on the way down (one per pending level below the root)
+    while pending:
+        for value in pending[-1]:
+            children = _encode_extras_value(value, out)
+            if children is not None:
+                _descend(value, path)
+                pending.append(children)
+                break
+        else:
+            pending.pop()
+            if path:
+                path.pop()
+
+
+def _descend(container: Any, path: list[int]) -> None:
+    if id(container) in path:
+        raise DigestValueError("extras contain themselves (a list or dict nested inside itself)")
+    if len(path) >= EXTRAS_MAX_DEPTH:
+        raise DigestValueError(f"extras nest deeper than EXTRAS_MAX_DEPTH = {EXTRAS_MAX_DEPTH} levels")
+    path.append(id(container))
+
+
+def check_nesting(value: Any, what: str = "extras") -> None:
+    """Refuse a payload nested deeper than ``EXTRAS_MAX_DEPTH`` or containing itself (no recursion).
+
+    ``value`` itself is level 1 when it is a container; lists, tuples and dicts count.
+    """
+    pending: list[Iterator[Any]] = [iter((value,))]
+    path: list[int] = []
+    try:
+        while pending:
+            for item in pending[-1]:
+                if type(item) in _CONTAINERS:
+                    _descend(item, path)
+                    pending.append(iter(item.values() if type(item) is dict else item))
+                    break
+            else:
+                pending.pop()
+                if path:
+                    path.pop()
+    except DigestValueError as exc:
+        raise DigestValueError(f"{what}: {exc}") from None
+
+
+_CONTAINERS = frozenset({list, tuple, dict})
+
+
+def _encode_extras_value(value: Any, out: list[bytes]) -> Iterator[Any] | None:
+    """Encode a scalar, or a container's header; returns the container's items still to encode."""
     kind = type(value)
     if value is None:
         out.append(b"N")
@@ -141,20 +200,26 @@ def _encode_extras(value: Any, out: list[bytes]) -> None:
         out.append(b"L" + _PACK_U64(len(value)))
         if len(value) > 32 and set(map(type, value)) == {int}:
             out.append(_bulk_tagged_ints(value))
-        else:
-            for item in value:
-                _encode_extras(item, out)
+            return iter(())  # still a nesting level: the depth limit counts containers, not their contents
+        items: list[Any] = value
+        return iter(items)
     elif kind is dict:
         for key in value:
             if type(key) is not str:
                 raise DigestTypeError(f"extras keys must be exact strings, got {type(key).__name__}")
         encoded = sorted(((_utf8(key), item) for key, item in value.items()), key=_first)
         out.append(b"D" + _PACK_U64(len(encoded)))
-        for key_bytes, item in encoded:
-            out.append(_PACK_U64(len(key_bytes)) + key_bytes)
-            _encode_extras(item, out)
+        return _dict_values(encoded, out)
     else:
         raise DigestTypeError(f"extras cannot encode a value of type {kind.__name__}")
+    return None
+
+
+def _dict_values(encoded: list[tuple[bytes, Any]], out: list[bytes]) -> Iterator[Any]:
+    """A dict's values in key order, each preceded in ``out`` by its encoded key."""
+    for key_bytes, item in encoded:
+        out.append(_PACK_U64(len(key_bytes)) + key_bytes)
+        yield item
 
 
 def _utf8(key: str) -> bytes:

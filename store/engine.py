@@ -49,14 +49,17 @@ POSTGRESQL = Backend("postgresql", f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOC
 
 def resolve_url(url_or_path: str | os.PathLike[str]) -> URL:
     """A plain path means a SQLite file; anything with ``://`` is a SQLAlchemy URL."""
-    text = os.fspath(url_or_path)
-    if not text:
-        raise ConfigurationError("open_store needs a path or a database URL, got an empty string")
+    text = _location_text(url_or_path)
     if "://" not in text:
-        path = Path(text).expanduser().resolve()
-        if path.is_dir():
+        try:
+            path = Path(text).expanduser().resolve()
+            is_dir, parent_is_dir = path.is_dir(), path.parent.is_dir()
+        except (OSError, RuntimeError) as exc:  # a name too long, a ~user that does not exist, ...
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigurationError(f"cannot use the store path {_shown(text)}: {reason}") from exc
+        if is_dir:
             raise ConfigurationError(f"{path} is a directory; pass the path of a store file")
-        if not path.parent.is_dir():
+        if not parent_is_dir:
             raise ConfigurationError(f"the folder {path.parent} does not exist")
         return URL.create("sqlite+pysqlite", database=str(path))
     try:
@@ -66,6 +69,29 @@ def resolve_url(url_or_path: str | os.PathLike[str]) -> URL:
     if url.get_backend_name() == "postgresql" and url.get_driver_name() in ("", "psycopg2"):
         url = url.set(drivername="postgresql+psycopg")
     return url
+
+
+def _location_text(url_or_path: Any) -> str:
+    """The path or URL as text; what the OS or a driver could never take is refused here."""
+    if isinstance(url_or_path, (bytes, bytearray)):
+        raise ConfigurationError("open_store takes a str path or URL, not bytes (decode it with os.fsdecode)")
+    try:
+        text = os.fspath(url_or_path)
+    except TypeError:
+        raise ConfigurationError(
+            f"open_store needs a path or a database URL, got {type(url_or_path).__name__}"
+        ) from None
+    if not isinstance(text, str):
+        raise ConfigurationError(f"open_store takes a str path or URL, not {type(text).__name__}")
+    if not text:
+        raise ConfigurationError("open_store needs a path or a database URL, got an empty string")
+    if "\x00" in text:
+        raise ConfigurationError(f"the store path or URL contains a NUL character: {_shown(text)}")
+    return text
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
 
 
 def create_store_engine(url: URL, durability: str) -> tuple[Engine, Backend]:
@@ -205,7 +231,39 @@ def migrate(engine: Engine, backend: Backend) -> None:
     except MigrationError:
         raise
     except errors as exc:
-        raise MigrationError(f"migrating the store schema failed: {exc}") from exc
+        raise opening_error(engine.url, exc) from exc
+
+
+def opening_error(url: URL, exc: BaseException) -> StorageError:
+    """Say what is wrong with the store being opened (not a store, permission denied, ...)."""
+    reason = str(getattr(exc, "orig", None) or exc)
+    if url.get_backend_name() == "sqlite" and url.database:
+        path = url.database
+        if "file is not a database" in reason:
+            return StorageError(f"{path} is not a store database ({reason})")
+        problem = _sqlite_access_problem(path)
+        if problem is not None:
+            return StorageError(f"{problem} ({reason})")
+    elif isinstance(exc, sa.exc.OperationalError) and "connect" in reason:
+        return StorageError(f"cannot connect to {url.render_as_string(hide_password=True)}: {reason}")
+    return MigrationError(f"migrating the store schema failed: {reason}")
+
+
+def _sqlite_access_problem(path: str) -> str | None:
+    """What keeps SQLite from opening ``path``, if the file system can tell."""
+    folder = os.path.dirname(path) or "."
+    if os.path.exists(path):
+        if not os.access(path, os.R_OK):
+            return f"permission denied: cannot read {path}"
+        if not os.access(path, os.W_OK):
+            return f"permission denied: cannot write {path}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        name = os.path.basename(path)
+        return (
+            f"permission denied: cannot create files in {folder} "
+            f"(SQLite keeps {name}-wal and {name}-shm beside the store)"
+        )
+    return None
 
 
 def _run_alembic(connection: sa.Connection) -> None:

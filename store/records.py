@@ -39,6 +39,15 @@ def _fail(record: str, message: str) -> InvalidRecordError:
 def _identifier(record: str, name: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise _fail(record, f"{name} must be a non-empty string, got {value!r}")
+    _encodable(record, name, value)
+
+
+def _encodable(record: str, name: str, value: str) -> None:
+    """Text is stored and hashed as UTF-8: a lone surrogate can never be, so it is refused here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _fail(record, f"{name} is not valid Unicode text ({exc.reason} at position {exc.start})") from None
 
 
 def _optional_identifier(record: str, name: str, value: Any) -> None:
@@ -46,14 +55,26 @@ def _optional_identifier(record: str, name: str, value: Any) -> None:
         _identifier(record, name, value)
 
 
+_U64_MAX = 2**64 - 1  # every count and version is hashed or stored as a u64
+
+
 def _non_negative(record: str, name: str, value: Any) -> None:
-    if type(value) is not int or value < 0:
-        raise _fail(record, f"{name} must be a non-negative int (bools and floats are refused), got {value!r}")
+    if type(value) is not int or not 0 <= value <= _U64_MAX:
+        raise _fail(
+            record, f"{name} must be an int in [0, 2**64-1] (bools and floats are refused), got {_short(value)}"
+        )
 
 
 def _positive(record: str, name: str, value: Any) -> None:
-    if type(value) is not int or value < 1:
-        raise _fail(record, f"{name} must be a positive int, got {value!r}")
+    if type(value) is not int or not 1 <= value <= _U64_MAX:
+        raise _fail(record, f"{name} must be an int in [1, 2**64-1], got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """``repr`` for an error message, cut short (a hostile int may have thousands of digits)."""
+    big = type(value) is int and value.bit_length() >= 256
+    shown = f"an int of {value.bit_length()} bits" if big else repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def _digest_hex(record: str, name: str, value: Any) -> None:
@@ -112,6 +133,8 @@ def _instances(record: str, name: str, values: Any, kind: type) -> None:
 def _optional_text(record: str, name: str, value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise _fail(record, f"{name} must be a string or null, got {value!r}")
+    if value is not None:
+        _encodable(record, name, value)
 
 
 def _unique(record: str, name: str, values: Sequence[str]) -> None:
@@ -163,6 +186,10 @@ def _check_finish(record: str, finish: Any, stop: Any) -> None:
     if stop is not None:
         if type(stop) not in (str, int):
             raise _fail(record, f"terminal_stop_reason must be a string or int, got {stop!r}")
+        if type(stop) is str:
+            _encodable(record, "terminal_stop_reason", stop)
+        elif not -(2**63) <= stop <= _U64_MAX:  # what msgpack (and the event log) can hold
+            raise _fail(record, f"terminal_stop_reason {_short(stop)} is outside [-2**63, 2**64-1]")
         if finish is None:
             raise _fail(record, "a terminal_stop_reason requires a terminal_finish_reason")
 
@@ -396,6 +423,8 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         ``delta_len`` and ``cum_len`` follow from the columns.  Structural checks still run;
         the digest is not recomputed during construction.
         """
+        if extras is not None and not isinstance(extras, Mapping):  # dict("") would be {}: never guess
+            raise _fail(cls.__name__, f"extras must be a mapping or None, got {type(extras).__name__}")
         payload = dict(extras) if extras is not None else None
         try:
             extras_digest = _digest.compute_extras_digest(payload)
@@ -490,8 +519,7 @@ class StageResult(_Wire, frozen=True, kw_only=True):
         if type(self.ok) is not bool:
             raise _fail(name, f"ok must be a bool, got {self.ok!r}")
         _optional_identifier(name, "staging_key", self.staging_key)
-        if self.error is not None and not isinstance(self.error, str):
-            raise _fail(name, "error must be a string or null")
+        _optional_text(name, "error", self.error)
         if self.ok and self.staging_key is None:
             raise _fail(name, "ok=true requires a staging_key")
         if not self.ok and not self.error:
@@ -611,6 +639,11 @@ class CaptureLedgerCommit(_Wire, frozen=True, kw_only=True):
         _instances(name, "parent_manifest", self.parent_manifest, CallRecord)
         _instances(name, "request_items", self.request_items, dict)
         _instances(name, "response_items", self.response_items, dict)
+        for field in ("request_items", "response_items"):
+            try:
+                _digest.check_nesting(getattr(self, field), field)
+            except ValueError as exc:
+                raise _fail(name, str(exc)) from exc
         for key in self.staging_chain:
             _identifier(name, "staging_chain entry", key)
         manifest = self.parent_manifest
@@ -726,35 +759,67 @@ _MSGPACK_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 def to_json(record: msgspec.Struct) -> bytes:
     """Encode a record as JSON with Gym's field names."""
-    return _JSON_ENCODER.encode(record)
+    return _encode(_JSON_ENCODER, record)
 
 
 def to_msgpack(record: msgspec.Struct) -> bytes:
-    return _MSGPACK_ENCODER.encode(record)
+    return _encode(_MSGPACK_ENCODER, record)
+
+
+# What an encoder raises for a value it cannot write: text that is not Unicode, an int
+# beyond msgpack's range, a type it does not know, a free-form payload nested too deep.
+_ENCODE_ERRORS = (msgspec.EncodeError, UnicodeEncodeError, OverflowError, TypeError, ValueError, RecursionError)
+
+
+def _encode(encoder: Any, record: msgspec.Struct) -> bytes:
+    try:
+        return encoder.encode(record)  # type: ignore[no-any-return]
+    except NotImplementedError as exc:  # from the encode hook
+        raise InvalidRecordError(f"cannot encode {type(record).__name__}: {exc}") from exc
+    except _ENCODE_ERRORS as exc:
+        raise InvalidRecordError(f"cannot encode {type(record).__name__}: {type(exc).__name__}: {exc}") from exc
 
 
 def from_json(data: bytes | str, record_type: type[T]) -> T:
     """Decode and fully validate a record (a staged record's digest is verified)."""
-    decoder = _JSON_DECODERS.get(record_type)
+    decoder = _JSON_DECODERS.get(_wire_type(record_type))
     if decoder is None:
         decoder = _JSON_DECODERS[record_type] = msgspec.json.Decoder(record_type)
-    return _decode(decoder, data, record_type)
+    return _decode(decoder, data, record_type, (bytes, bytearray, memoryview, str))
 
 
 def from_msgpack(data: bytes, record_type: type[T]) -> T:
-    decoder = _MSGPACK_DECODERS.get(record_type)
+    decoder = _MSGPACK_DECODERS.get(_wire_type(record_type))
     if decoder is None:
         decoder = _MSGPACK_DECODERS[record_type] = msgspec.msgpack.Decoder(record_type)
-    return _decode(decoder, data, record_type)
+    return _decode(decoder, data, record_type, (bytes, bytearray, memoryview))
 
 
-def _decode(decoder: Any, data: Any, record_type: type[T]) -> T:
+def _wire_type(record_type: type[T]) -> type[T]:
+    if not (isinstance(record_type, type) and issubclass(record_type, msgspec.Struct)):
+        raise InvalidRecordError(f"record_type must be a wire record class, got {record_type!r}")
+    return record_type
+
+
+def _decode(decoder: Any, data: Any, record_type: type[T], accepted: tuple[type, ...]) -> T:
+    name = record_type.__name__
+    if not isinstance(data, accepted):
+        raise InvalidRecordError(
+            f"{name}: cannot decode a {type(data).__name__}; pass {' or '.join(t.__name__ for t in accepted)}"
+        )
     try:
         return decoder.decode(data)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, InvalidRecordError):
-            raise type(cause)(f"{cause} (decoding {record_type.__name__})") from exc
-        raise InvalidRecordError(f"{record_type.__name__}: {exc}") from exc
+            raise type(cause)(f"{cause} (decoding {name})") from exc
+        raise InvalidRecordError(f"{name}: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise InvalidRecordError(f"{record_type.__name__}: malformed input: {exc}") from exc
+        raise InvalidRecordError(f"{name}: malformed input: {exc}") from exc
+    except UnicodeEncodeError as exc:  # a str input holding a lone surrogate
+        raise InvalidRecordError(f"{name}: the input is not valid Unicode text ({exc.reason})") from exc
+    except RecursionError as exc:  # msgspec nests deeper than Python allows before any check of ours runs
+        raise InvalidRecordError(
+            f"{name}: the input nests too deeply (extras may nest at most EXTRAS_MAX_DEPTH = "
+            f"{_digest.EXTRAS_MAX_DEPTH} levels)"
+        ) from exc

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
+from store import arguments
 from store.engine import create_store_engine, migrate, resolve_url
 from store.errors import InvalidRecordError, StagingRefusedError, StoreClosedError
 from store.events import (
-    RECORD_KINDS,
     AdmissionBody,
     Completion,
     CutReceiptBody,
@@ -106,10 +106,10 @@ class Store:
         Used by generation cuts, whose acknowledgements must all hold before any is sealed.
         """
         self._ready()
-        events = [self._record_event(entry) for entry in entries]
+        events = [self._record_event(entry) for entry in arguments.sequence_of("entries", entries, StageEntry)]
         receipt_event = None
         if cut_receipt is not None:
-            checkpoint_id, inventory_digest, receipt = cut_receipt
+            checkpoint_id, inventory_digest, receipt = arguments.cut_receipt(cut_receipt)
             receipt_body = CutReceiptBody(
                 checkpoint_id=checkpoint_id, inventory_digest=inventory_digest, receipt=receipt
             )
@@ -132,27 +132,26 @@ class Store:
         return self._log.write(work)
 
     def _record_event(self, entry: StageEntry) -> NewEvent:
+        """The event of one record to stage; every argument is checked here, before any write."""
         record = entry.record
         if not isinstance(record, StagedCallRecord):
             raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
-        key = record.staging_key if entry.staging_key is None else entry.staging_key
-        if not isinstance(key, str) or not key:
-            raise InvalidRecordError(f"staging_key must be a non-empty string, got {key!r}")
-        if entry.kind not in RECORD_KINDS:
-            kinds = sorted(k.value for k in RECORD_KINDS)
-            raise InvalidRecordError(f"stage() kind must be one of {kinds}, got {entry.kind!r}")
+        rollout_id, model_call_id = record.rollout_id, record.model_call_id
+        kind = arguments.record_kind(entry.kind)
+        key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, entry.staging_key, kind)
+        arguments.extras(record.extras, record.extras_digest)
         columns = record.columns
-        default_spans = entry.spans is None  # a terminal record: its generated tokens, at its version
-        spans = generated_spans(columns.token_mask, record.weight_version) if default_spans else list(entry.spans or ())
-        body = record_body(record, spans, entry.completion)
-        return NewEvent(entry.kind, record.rollout_id, record.model_call_id, body, key, columns)
+        if entry.spans is None:  # a terminal record: its generated tokens, at its version
+            spans = generated_spans(columns.token_mask, record.weight_version)
+        else:
+            spans = arguments.spans(entry.spans, columns.token_mask, kind)
+        body = record_body(record, spans, arguments.completion(entry.completion))
+        return NewEvent(kind, rollout_id, model_call_id, body, key, columns)
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
         """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent."""
         self._ready()
-        if isinstance(keys, str):
-            raise InvalidRecordError("fetch() takes a list of staging keys, not a single string")
-        return self._reader.fetch(list(keys))
+        return self._reader.fetch(arguments.texts("fetch() keys", keys))
 
     def fetch_chunks(self, keys: Sequence[str]) -> list[StoredChunk]:
         """Like ``fetch``, with each record's version spans and event kind; checksums verified,
@@ -162,19 +161,20 @@ class Store:
         generation cut does (the rebuilt prefix must match the continuation's digest).
         """
         self._ready()
-        return self._reader.fetch_with_spans(list(keys), verify_digests=False)
+        return self._reader.fetch_with_spans(arguments.texts("fetch_chunks() keys", keys), verify_digests=False)
 
     # --- projections ------------------------------------------------------------------------
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
         """The calls projection for one call (lineage, state, policy versions), or None."""
         self._ready()
+        arguments.stream(rollout_id, model_call_id)
         return self._reader.call(rollout_id, model_call_id)
 
     def calls(self, rollout_id: str | None = None) -> list[CallInfo]:
         """Every call (of one rollout, when given), in the order they were last written."""
         self._ready()
-        return self._reader.calls(rollout_id)
+        return self._reader.calls(arguments.optional_text("rollout_id", rollout_id))
 
     def version_spans(self, rollout_id: str, model_call_id: str) -> tuple[VersionSpan, ...]:
         """Which delta positions of the call each policy version generated."""
@@ -184,31 +184,40 @@ class Store:
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""
         self._ready()
-        return replay(self._engine, self._backend, repair=repair)
+        return replay(self._engine, self._backend, repair=arguments.flag("repair", repair))
 
     # --- events the worker capture appends ----------------------------------------------------
 
     def record_admission(self, rollout_id: str, model_call_id: str, body: AdmissionBody) -> None:
         self._ready()
+        arguments.stream(rollout_id, model_call_id)
+        arguments.body(EventKind.CALL_ADMITTED, body)
         event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         self._ready()
-        body = FailureBody(reason=reason)
+        arguments.stream(rollout_id, model_call_id)
+        body = FailureBody(reason=arguments.text("reason", reason, empty=True))
         event = NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)
 
     def clear_keys(self, rollout_id: str, model_call_id: str, keys: Sequence[str], reason: str) -> None:
-        """Withdraw staged keys of one call (a rolled-back cut, or chunks made obsolete).
+        """Withdraw staged cut keys of one call (a rolled-back cut, or chunks made obsolete).
 
-        Keys that hold nothing are skipped; if none is live, nothing is written.
+        Keys that hold nothing are skipped; if none is live, nothing is written.  Only the
+        call's own cut and flush keys may be withdrawn: any other key is refused
+        (``InvalidRecordError``) and nothing is written.
         """
         self._ready()
-        wanted = list(dict.fromkeys(keys))
+        arguments.stream(rollout_id, model_call_id)
+        wanted = list(dict.fromkeys(arguments.texts("clear_keys() keys", keys)))
+        reason = arguments.text("reason", reason, empty=True)
+        for key in wanted:
+            arguments.clearable_key(rollout_id, model_call_id, key)
 
         def work(tx: WriteTransaction) -> None:
-            live = [key for key in wanted if tx.key(key) is not None]
+            live = [key for key in wanted if _owned(tx, key, rollout_id, model_call_id)]
             if live:
                 body = KeysClearedBody(staging_keys=live, reason=reason)
                 tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, model_call_id, body))
@@ -219,11 +228,14 @@ class Store:
     def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
         """The call's latest terminal record: its key, digest, generated count and how it finished."""
         self._ready()
+        arguments.stream(rollout_id, model_call_id)
         return self._reader.completion(rollout_id, model_call_id)
 
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         """The receipt (JSON) already returned for this inventory, if any."""
         self._ready()
+        arguments.text("checkpoint_id", checkpoint_id)
+        arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -263,6 +275,17 @@ def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
         )
     tx.append(event)
     return StageResult(ok=True, staging_key=event.staging_key)
+
+
+def _owned(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) -> bool:
+    """Whether ``key`` is live; a live key that holds another call's record is refused."""
+    state = tx.key(key)
+    if state is not None and (state.rollout_id, state.model_call_id) != (rollout_id, model_call_id):
+        raise InvalidRecordError(
+            f"{key!r} holds a record of {state.rollout_id}/{state.model_call_id}; "
+            f"{rollout_id}/{model_call_id} cannot withdraw it"
+        )
+    return state is not None
 
 
 def open_store(url_or_path: str | os.PathLike[str], *, durability: str = "full") -> Store:

@@ -187,7 +187,7 @@ def test_sixteen_threads_staging_share_commits(store: Store, store_url: str) -> 
 
 def test_concurrent_identical_and_conflicting_stages(store: Store, store_url: str) -> None:
     shared = [make_record(rollout_id="shared", model_call_id=f"c{i}") for i in range(PER_THREAD)]
-    contested_keys = [f"contested/{i}" for i in range(PER_THREAD)]
+    contested_keys = [f"contest/c{i}" for i in range(PER_THREAD)]  # each thread's record of the call differs
     outcomes: dict[str, list[tuple[int, StageResult]]] = {key: [] for key in contested_keys}
     lock = threading.Lock()
 
@@ -195,7 +195,7 @@ def test_concurrent_identical_and_conflicting_stages(store: Store, store_url: st
         for i, record in enumerate(shared):
             assert store.stage(record).ok  # identical records from every thread: all succeed
             mine = make_record(rollout_id="contest", model_call_id=f"c{i}", generated=(t, t + 1))
-            result = store.stage(mine, staging_key=contested_keys[i])
+            result = store.stage(mine)
             with lock:
                 outcomes[contested_keys[i]].append((t, result))
 
@@ -204,7 +204,7 @@ def test_concurrent_identical_and_conflicting_stages(store: Store, store_url: st
         winners = [t for t, r in results if r.ok]
         assert len(winners) == 1, f"{key}: {len(winners)} writers won"
         assert all(key in (r.error or "") for _, r in results if not r.ok)
-        i = int(key.split("/")[1])
+        i = int(key.removeprefix("contest/c"))
         expected = make_record(rollout_id="contest", model_call_id=f"c{i}", generated=(winners[0], winners[0] + 1))
         assert store.fetch([key])[0].digest == expected.digest
     report = store.replay()

@@ -245,26 +245,88 @@ def test_conflicting_record_under_a_used_key_is_refused_and_changes_nothing(stor
     assert store.replay().ok
 
 
-def test_record_of_another_call_under_a_used_custom_key_is_refused(store: Store) -> None:
+def test_a_record_is_staged_only_under_its_own_keys(store_url: str, store: Store) -> None:
     first = make_record(model_call_id="call-a")
     other = make_record(model_call_id="call-b")
-    assert store.stage(first, staging_key="shared-key").ok
-    result = store.stage(other, staging_key="shared-key")
-    assert not result.ok
-    assert result.error is not None and "shared-key" in result.error
-    assert store.fetch(["shared-key"])[0].model_call_id == "call-a"
+    first_cut = lib.chunk_staging_key("ckpt-7", "rollout-1", "call-a", 0)
+    assert store.stage(first).ok
+    assert store.stage(first, staging_key=first_cut, kind=EventKind.PREFIX_STAGED).ok
+    refused = {
+        "another call's default key": dict(staging_key=first.staging_key),
+        "another call's cut key": dict(staging_key=first_cut, kind=EventKind.PREFIX_STAGED),
+        "a free key outside both namespaces": dict(staging_key="shared-key"),
+        "a cut key as a terminal record": dict(staging_key=lib.chunk_staging_key("c", "rollout-1", "call-b", 0)),
+        "the default key as a chunk": dict(staging_key=other.staging_key, kind=EventKind.CHUNK_STAGED),
+        "a malformed cut key": dict(staging_key="__generation_cut__/rollout-1/call-b/0", kind="prefix_staged"),
+    }
+    for case, options in refused.items():
+        with pytest.raises(lib.InvalidRecordError, match="staged under"):
+            store.stage(other, **options)  # type: ignore[arg-type]
+        with pytest.raises(lib.InvalidRecordError):
+            store.stage_all([lib.StageEntry(other, **options)])  # type: ignore[arg-type]
+        assert event_count(store_url) == 2, case
     assert store.call(other.rollout_id, "call-b") is None
+    assert store.fetch([first.staging_key])[0].model_call_id == "call-a"
 
 
-def test_custom_staging_key(store: Store) -> None:
+def test_the_reserved_cut_namespace_is_never_a_default_key(store_url: str, store: Store) -> None:
+    # Its default key would be the cut key of call ("r", "c") at checkpoint "x".
+    forged = make_record(rollout_id="__generation_cut__/x", model_call_id="r/c/0")
+    assert forged.staging_key == lib.chunk_staging_key("x", "r", "c", 0)
+    with pytest.raises(lib.InvalidRecordError, match="reserved"):
+        store.stage(forged)
+    assert event_count(store_url) == 0
+
+
+def test_a_cut_key_of_its_own_call(store: Store) -> None:
     record = make_record()
-    result = store.stage(record, staging_key="cuts/ckpt-7/chunk-0")
-    assert result.ok and result.staging_key == "cuts/ckpt-7/chunk-0"
-    [snapshot] = store.fetch(["cuts/ckpt-7/chunk-0"])
+    key = lib.chunk_staging_key("ckpt-7", "rollout-1", "call-1", 0)
+    result = store.stage(record, staging_key=key, kind=EventKind.PREFIX_STAGED)
+    assert result.ok and result.staging_key == key
+    [snapshot] = store.fetch([key])
     assert snapshot.digest == record.digest
     with pytest.raises(lib.UnknownKeyError):
-        store.fetch([record.staging_key])  # only the custom key was written
-    assert store.stage(record, staging_key="cuts/ckpt-7/chunk-0").ok  # idempotent under the custom key too
+        store.fetch([record.staging_key])  # only the cut key was written
+    assert store.stage(record, staging_key=key, kind="prefix_staged").ok  # idempotent, the kind as its value
+
+
+def test_a_call_withdraws_only_its_own_cut_keys(store_url: str, store: Store) -> None:
+    mine, other = make_record(model_call_id="mine"), make_record(model_call_id="other")
+    my_cut, other_cut = (lib.chunk_staging_key("k", "rollout-1", call, 0) for call in ("mine", "other"))
+    for record, cut_key in ((mine, my_cut), (other, other_cut)):
+        assert store.stage(record).ok
+        assert store.stage(record, staging_key=cut_key, kind=EventKind.PREFIX_STAGED).ok
+    events = event_count(store_url)
+    for keys in (
+        [mine.staging_key],  # its own terminal record
+        [other.staging_key],  # another call's terminal record
+        [other_cut],  # another call's cut key
+        [my_cut, other.staging_key],  # all or nothing
+        ["rollout-1/mine/extra"],
+        ["__generation_cut__/rollout-1/mine/0"],  # no checkpoint id
+    ):
+        with pytest.raises(lib.InvalidRecordError, match="withdraw"):
+            store.clear_keys("rollout-1", "mine", keys, "rolled back")
+        assert event_count(store_url) == events
+    assert len(store.fetch([mine.staging_key, other.staging_key, my_cut, other_cut])) == 4
+
+    store.clear_keys("rollout-1", "mine", [my_cut, lib.chunk_staging_key("k", "rollout-1", "mine", 1)], "rolled back")
+    with pytest.raises(lib.UnknownKeyError):
+        store.fetch([my_cut])
+    assert event_count(store_url) == events + 1
+    assert store.replay().ok
+
+
+def test_a_cut_key_named_for_a_call_but_held_by_another_is_not_withdrawn(store_url: str, store: Store) -> None:
+    # Ids with "/" make one key name two calls: ("b", "c") at checkpoint "x/a", and ("a/b", "c") at "x".
+    holder = make_record(rollout_id="a/b", model_call_id="c")
+    key = lib.chunk_staging_key("x", "a/b", "c", 0)
+    assert key == lib.chunk_staging_key("x/a", "b", "c", 0)
+    assert store.stage(holder, staging_key=key, kind=EventKind.PREFIX_STAGED).ok
+    with pytest.raises(lib.InvalidRecordError, match="holds a record of a/b/c"):
+        store.clear_keys("b", "c", [key], "not mine")
+    assert store.fetch([key])[0].rollout_id == "a/b"
+    assert event_count(store_url) == 1
 
 
 # --- reopen and close --------------------------------------------------------------------------
@@ -355,9 +417,9 @@ def stage_a_mix(target: Store) -> list[StagedCallRecord]:
     chunk = make_record(rollout_id="r-live", model_call_id="live", prompt=(), generated=(4, 5))
     assert target.stage(root).ok
     assert target.stage(child).ok
-    assert target.stage(other, staging_key="custom/solo").ok
-    assert target.stage(prefix, staging_key="live/prefix", kind=EventKind.PREFIX_STAGED).ok
-    assert target.stage(chunk, staging_key="live/chunk-1", kind=EventKind.CHUNK_STAGED).ok
+    assert target.stage(other).ok
+    assert target.stage(prefix, staging_key=lib.chunk_staging_key("k", "r-live", "live", 0), kind="prefix_staged").ok
+    assert target.stage(chunk, staging_key=lib.chunk_staging_key("k", "r-live", "live", 1), kind="chunk_staged").ok
     assert target.stage(root).ok  # idempotent
     assert not target.stage(make_record(rollout_id="r-mix", model_call_id="root", generated=(9,))).ok
     return [root, child, other, prefix, chunk]
@@ -396,19 +458,19 @@ def test_replay_detects_a_tampered_calls_row_and_repair_fixes_it(store_url: str,
 
 def test_replay_detects_a_deleted_staged_key_and_repair_restores_it(store_url: str, store: Store) -> None:
     records = stage_a_mix(store)
-    execute(store_url, "DELETE FROM staged_keys WHERE staging_key = 'custom/solo'")
+    execute(store_url, "DELETE FROM staged_keys WHERE staging_key = 'r-other/solo'")
     with pytest.raises(lib.UnknownKeyError):
-        store.fetch(["custom/solo"])
+        store.fetch(["r-other/solo"])
 
     report = store.replay()
     assert not report.ok
-    assert [(d.table, d.key) for d in report.differences] == [("staged_keys", ("custom/solo",))]
+    assert [(d.table, d.key) for d in report.differences] == [("staged_keys", ("r-other/solo",))]
     assert report.differences[0].live is None
     assert "missing from the live table" in str(report.differences[0])
 
     assert store.replay(repair=True).repaired
     assert store.replay().ok
-    assert store.fetch(["custom/solo"])[0].digest == records[2].digest
+    assert store.fetch(["r-other/solo"])[0].digest == records[2].digest
 
 
 def test_replay_detects_a_live_row_without_an_event(store_url: str, store: Store) -> None:
@@ -540,17 +602,18 @@ def test_explicit_version_spans_give_oldest_and_newest(store: Store) -> None:
 def test_prefix_then_chunk_projection(store: Store) -> None:
     prefix = make_record(model_call_id="live", generated=(1, 2, 3), weight_version=4)
     chunk = make_record(model_call_id="live", prompt=(), generated=(4, 5), weight_version=5)
-    assert store.stage(prefix, staging_key="live/p", kind=EventKind.PREFIX_STAGED).ok
+    prefix_key, chunk_key = (lib.chunk_staging_key("k", "rollout-1", "live", n) for n in (0, 1))
+    assert store.stage(prefix, staging_key=prefix_key, kind=EventKind.PREFIX_STAGED).ok
     staged = store.call("rollout-1", "live")
     assert staged is not None and staged.state == "staging"
-    assert store.stage(chunk, staging_key="live/c1", kind=EventKind.CHUNK_STAGED).ok
+    assert store.stage(chunk, staging_key=chunk_key, kind=EventKind.CHUNK_STAGED).ok
     info = store.call("rollout-1", "live")
     assert info is not None
     assert info.state == "staging"
     assert info.cum_len == 8
     assert info.generated_tokens == 5
     assert info.oldest_version == 4 and info.newest_version == 5
-    fetched = store.fetch(["live/c1", "live/p"])
+    fetched = store.fetch([chunk_key, prefix_key])
     assert [s.token_ids_delta.tolist() for s in fetched] == [[4, 5], [10, 11, 12, 1, 2, 3]]
     assert store.replay().ok
 
