@@ -94,6 +94,8 @@ def _inconsistency(event: Event, values: Mapping[Any, Any]) -> str | None:
 
 
 def undecodable_text(exc: BaseException) -> bool:
-    """SQLite's error for stored text that is not UTF-8 (only a damaged file holds such text)."""
+    """SQLite's errors for stored text that is not UTF-8 (only a damaged file holds such text)."""
     cause = getattr(exc, "orig", None) or exc
+    if isinstance(cause, UnicodeDecodeError):
+        return True
     return isinstance(cause, sqlite3.OperationalError) and "Could not decode to UTF-8" in str(cause)

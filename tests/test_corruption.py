@@ -1,0 +1,365 @@
+"""Fault test 3, corruption: damage to any stored column or file byte is found, never served.
+
+Every stored column of the log (and of ``staged_keys`` and ``cut_receipts``) is damaged in
+one row at a time through raw SQL; then every read of the store is judged (see
+``corruption_helpers.probe``): the damaged record's ``fetch`` raises ``CorruptRecordError``,
+never another key's record and never a raw error; undamaged records still fetch and verify;
+replay names the damaged event or reports the differing projection rows.  Random byte flips
+anywhere in a SQLite file give the right record or a ``StoreError``, nothing else.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from corruption_helpers import Expected, Outcome, populate, probe
+from factories import make_record
+
+from store import CorruptRecordError, EventKind, Store, UnknownKeyError, open_store
+
+# --- damaging one row through raw SQL ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Damage:
+    """``SET column = <sql>`` with ``params``: one way to damage one stored value."""
+
+    column: str
+    label: str
+    sql: str = ":value"
+    value: Any = None
+
+
+@pytest.fixture
+def raw(store_url: str) -> Iterator[sa.Connection]:
+    """An autocommit connection outside the library, to damage the store's rows."""
+    url = (
+        f"sqlite:///{store_url}"
+        if "://" not in store_url
+        else store_url.replace("postgresql://", "postgresql+psycopg://")
+    )
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        yield connection
+    engine.dispose()
+
+
+def is_sqlite(connection: sa.Connection) -> bool:
+    return connection.dialect.name == "sqlite"
+
+
+def flip_text(text: str) -> str:
+    return chr(ord(text[0]) ^ 1) + text[1:]
+
+
+def flip_byte(data: bytes, index: int) -> bytes:
+    damaged = bytearray(data)
+    damaged[index] ^= 0x01
+    return bytes(damaged)
+
+
+def event_damages(row: dict[str, Any], sqlite: bool) -> list[Damage]:
+    """Damage to every stored column of one event row (each differs from the stored value)."""
+    damages: list[Damage] = []
+    for column in ("rollout_id", "model_call_id", "staging_key"):
+        value = row[column]
+        damages.append(
+            Damage(column, "another key" if value is None else "a flipped bit", value=flip_text(value or "r1/c2"))
+        )
+        if column == "staging_key" and value is not None:
+            damages.append(Damage(column, "null", value=None))
+    for kind in [*(k.value for k in EventKind if k.value != row["kind"]), "bogus"]:
+        damages.append(Damage("kind", f"kind {kind}", value=kind))
+    for column in ("stream_version", "writer_pid"):
+        damages += [
+            Damage(column, "+1000", value=row[column] + 1000),
+            Damage(column, "negative", value=-row[column] - 1),
+        ]
+    damages.append(Damage("recorded_at", "+1s", value=row["recorded_at"] + 1.0))
+    for column in ("body", "token_ids", "token_mask", "log_probs", "checksum"):
+        data = row[column]
+        if data is None:
+            damages.append(Damage(column, "bytes where none were", value=b"4\x01\x00\x00\x00"))
+            continue
+        damages += [
+            Damage(column, "a flipped bit in the middle", value=flip_byte(data, len(data) // 2)),
+            Damage(column, "a flipped last bit", value=flip_byte(data, len(data) - 1)),
+            Damage(column, "truncated", value=data[:-1]),
+        ]
+        if column in ("token_ids", "token_mask", "log_probs"):
+            damages.append(Damage(column, "null", value=None))
+    if sqlite:  # SQLite keeps any type in any column: what a damaged file can hold
+        damages += [
+            Damage("kind", "text that is not UTF-8", "CAST(X'ff' AS TEXT)"),
+            Damage("rollout_id", "a blob", "X'7231'"),
+            Damage("stream_version", "text in an integer column", "'abc'"),
+            Damage("recorded_at", "text in a float column", "'abc'"),
+            Damage("body", "text in a blob column", "'abc'"),
+            Damage("checksum", "an integer in a blob column", "7"),
+        ]
+    return damages
+
+
+def set_value(raw: sa.Connection, table: str, column: str, sql: str, value: Any, where: str, ident: Any) -> None:
+    raw.execute(
+        sa.text(f"UPDATE {table} SET {column} = {sql} WHERE {where} = :ident"), {"value": value, "ident": ident}
+    )
+
+
+def event_rows(raw: sa.Connection) -> list[dict[str, Any]]:
+    rows = raw.execute(sa.text("SELECT * FROM events ORDER BY seq")).mappings()
+    return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in row.items()} for row in rows]
+
+
+def one_event_of_each_kind(raw: sa.Connection) -> list[dict[str, Any]]:
+    chosen: dict[tuple[str, bool], dict[str, Any]] = {}
+    for row in event_rows(raw):
+        has_extras = b"extras" in row["body"] and row["rollout_id"] == "r1"
+        chosen.setdefault((row["kind"], has_extras), row)
+    return list(chosen.values())
+
+
+def judge_event_damage(outcome: Outcome, row: dict[str, Any], damage: Damage, expected: Expected) -> list[str]:
+    """What the probe after damaging ``row`` got wrong (empty: every read behaved)."""
+    problems = list(outcome.violations)
+    key = row["staging_key"]
+    for name in (f"fetch {key}", f"fetch_chunks {key}"):
+        if key in expected.records and not outcome.corrupt(name):
+            problems.append(f"{name} was not refused as corrupt")
+    for name, error in outcome.detected.items():
+        if name.startswith("fetch") and not name.endswith(f" {key}"):
+            problems.append(f"{name}: an undamaged record was not served ({error})")
+    if row["kind"] == EventKind.CUT_RECEIPT.value and not outcome.corrupt("cut_receipt"):
+        problems.append("the damaged receipt was not refused as corrupt")
+    if damage.column == "seq":
+        if not outcome.replay_differs:
+            problems.append("replay did not report the moved event")
+    elif not outcome.corrupt("replay"):
+        problems.append(f"replay did not refuse the damaged event: {outcome.detected.get('replay')!r}")
+    elif f"event {row['seq']}" not in str(outcome.detected["replay"]) and "not UTF-8" not in str(
+        outcome.detected["replay"]
+    ):
+        problems.append(f"replay did not name event {row['seq']}: {outcome.detected['replay']}")
+    return problems
+
+
+def test_damage_to_any_column_of_an_event_is_found_and_never_served(store: Store, raw: sa.Connection) -> None:
+    expected = populate(store)
+    sqlite = is_sqlite(raw)
+    planted = found = 0
+    failures: list[str] = []
+    for index, row in enumerate(one_event_of_each_kind(raw)):
+        damages = [*event_damages(row, sqlite), Damage("seq", "moved", value=row["seq"] + 1000)]
+        for damage in damages:
+            if damage.column != "kind" and zlib.crc32(f"{damage.column} {damage.label}".encode()) % 3 != index % 3:
+                continue  # each other damage is planted in two of the six events (keeps the test fast)
+            set_value(raw, "events", damage.column, damage.sql, damage.value, "seq", row["seq"])
+            outcome = probe(store, expected, each_key=False)
+            planted += 1
+            found += outcome.found
+            problems = judge_event_damage(outcome, row, damage, expected)
+            failures += [f"event {row['seq']} ({row['kind']}), {damage.column} {damage.label}: {p}" for p in problems]
+            moved = row["seq"] + 1000 if damage.column == "seq" else row["seq"]
+            set_value(raw, "events", damage.column, ":value", row[damage.column], "seq", moved)
+    assert not failures, "\n".join(failures[:40])
+    assert planted == found and planted > 70
+    assert not probe(store, expected).found  # every row was put back
+
+
+def test_damage_to_a_staged_key_row_never_serves_another_record(store: Store, raw: sa.Connection) -> None:
+    expected = populate(store)
+    rows = {row["staging_key"]: row for row in event_rows(raw) if row["staging_key"] is not None}
+    admission = next(row for row in event_rows(raw) if row["kind"] == EventKind.CALL_ADMITTED.value)
+    other_digest = expected.records["r1/c2"][2]
+    failures: list[str] = []
+    for key in ("r1/c1", "__generation_cut__/checkpoint-1/r3/c0/0"):
+        other = rows["r1/c2"]
+        staged = dict(
+            raw.execute(sa.text("SELECT * FROM staged_keys WHERE staging_key = :k"), {"k": key}).one()._mapping
+        )
+        damages = [
+            ("event_seq", "another record", {"event_seq": other["seq"]}),
+            ("event_seq", "an admission", {"event_seq": admission["seq"]}),
+            ("event_seq", "no event", {"event_seq": 10**6}),
+            ("rollout_id", "a flipped bit", {"rollout_id": flip_text(staged["rollout_id"])}),
+            ("model_call_id", "a flipped bit", {"model_call_id": flip_text(staged["model_call_id"])}),
+            ("digest", "a flipped bit", {"digest": flip_text(staged["digest"])}),
+            (
+                "every column",
+                "another record's",
+                {"event_seq": other["seq"], "rollout_id": "r1", "model_call_id": "c2", "digest": other_digest},
+            ),
+            ("staging_key", "renamed", {"staging_key": key + "x"}),
+        ]
+        for column, label, values in damages:
+            assignments = ", ".join(f"{name} = :{name}" for name in values)
+            raw.execute(sa.text(f"UPDATE staged_keys SET {assignments} WHERE staging_key = :k"), {**values, "k": key})
+            outcome = probe(store, expected)
+            where = f"staged key {key}, {column} {label}"
+            failures += [f"{where}: {v}" for v in outcome.violations]
+            if column == "staging_key":
+                if not isinstance(outcome.detected.get(f"fetch {key}"), UnknownKeyError):
+                    failures.append(f"{where}: the renamed key still fetched")
+                with pytest.raises(CorruptRecordError, match="another key"):
+                    store.fetch([key + "x"])
+            elif not (outcome.corrupt(f"fetch {key}") and outcome.corrupt(f"fetch_chunks {key}")):
+                failures.append(f"{where}: fetch was not refused as corrupt: {outcome.detected.get(f'fetch {key}')!r}")
+            if not outcome.replay_differs:
+                failures.append(f"{where}: replay did not report the damaged row")
+            if sorted(outcome.detected) != sorted({f"fetch {key}", f"fetch_chunks {key}"} & set(outcome.detected)):
+                failures.append(f"{where}: other reads failed: {sorted(outcome.detected)}")
+            current = values.get("staging_key", key)
+            restore = ", ".join(f"{name} = :{name}" for name in staged)
+            raw.execute(
+                sa.text(f"UPDATE staged_keys SET {restore} WHERE staging_key = :current"),
+                {**staged, "current": current},
+            )
+    assert not failures, "\n".join(failures)
+    assert not probe(store, expected).found
+
+
+def test_fetch_never_returns_the_record_of_another_key(store_url: str, store: Store, raw: sa.Connection) -> None:
+    """Defect 3: a staged_keys row pointing at another call's valid record (one flipped bit can do it)."""
+    asked, other = make_record(rollout_id="r1", model_call_id="c1"), make_record(rollout_id="r9", model_call_id="c9")
+    assert store.stage(asked).ok and store.stage(other).ok
+    other_seq = raw.execute(sa.text("SELECT seq FROM events WHERE staging_key = 'r9/c9'")).scalar_one()
+    raw.execute(
+        sa.text(
+            "UPDATE staged_keys SET event_seq = :seq, rollout_id = 'r9', model_call_id = 'c9', digest = :digest "
+            "WHERE staging_key = 'r1/c1'"
+        ),
+        {"seq": other_seq, "digest": other.digest},
+    )
+    for read in (store.fetch, store.fetch_chunks):
+        with pytest.raises(CorruptRecordError) as caught:
+            read(["r1/c1"])  # type: ignore[operator]
+        assert "'r1/c1'" in str(caught.value) and f"event {other_seq}" in str(caught.value)
+    assert store.fetch(["r9/c9"])[0].digest == other.digest
+    assert not store.replay().ok
+
+
+def test_receipt_rows_pointing_elsewhere_are_corrupt(store: Store, raw: sa.Connection) -> None:
+    expected = populate(store)
+    checkpoint_id, inventory_digest, _ = expected.receipt
+    record_seq = raw.execute(sa.text("SELECT seq FROM events WHERE staging_key = 'r1/c1'")).scalar_one()
+    original = raw.execute(sa.text("SELECT event_seq FROM cut_receipts")).scalar_one()
+    for seq in (record_seq, 10**6):
+        raw.execute(sa.text("UPDATE cut_receipts SET event_seq = :seq"), {"seq": seq})
+        with pytest.raises(CorruptRecordError, match="checkpoint-1"):
+            store.cut_receipt(checkpoint_id, inventory_digest)
+        assert not store.replay().ok
+    raw.execute(sa.text("UPDATE cut_receipts SET event_seq = :seq"), {"seq": original})
+    assert store.cut_receipt(checkpoint_id, inventory_digest) == expected.receipt[2]
+
+
+def test_a_damaged_calls_row_is_a_corrupt_record_error(store: Store, raw: sa.Connection) -> None:
+    record = make_record(rollout_id="r1", model_call_id="c1")
+    assert store.stage(record).ok
+    raw.execute(sa.text("UPDATE calls SET version_spans = :b"), {"b": b"\xc1"})  # never valid msgpack
+    with pytest.raises(CorruptRecordError, match="r1"):
+        store.call("r1", "c1")
+    with pytest.raises(CorruptRecordError):
+        store.calls()
+    with pytest.raises(CorruptRecordError):  # the write path reads the row too
+        store.stage(make_record(rollout_id="r1", model_call_id="c1", generated=(40,)), staging_key="r1/c1-again")
+    report = store.replay(repair=True)
+    assert not report.ok and report.repaired
+    assert store.call("r1", "c1") is not None and store.replay().ok
+
+
+def test_the_checksum_covers_every_column_that_says_what_an_event_is(store: Store, raw: sa.Connection) -> None:
+    from store.columns import event_checksum  # imported here: the module also runs against older stores
+
+    record = make_record()
+    assert store.stage(record).ok
+    [row] = event_rows(raw)
+    assert event_checksum(row) == row["checksum"]
+    for column in ("rollout_id", "model_call_id", "stream_version", "kind", "staging_key", "body", "token_ids"):
+        changed = {**row, column: flip_text(row[column]) if isinstance(row[column], str) else None}
+        assert event_checksum(changed) != row["checksum"], column
+
+
+# --- random byte flips in a SQLite file -------------------------------------------------------------
+
+FILE_TRIALS = 100
+Damager = Callable[[bytes], tuple[bytes, list[int]]]
+
+
+def flipper(rng: random.Random) -> Damager:
+    """XOR 1-3 random bytes at random offsets with random non-zero values."""
+
+    def damage(data: bytes) -> tuple[bytes, list[int]]:
+        damaged = bytearray(data)
+        offsets = [rng.randrange(len(data)) for _ in range(rng.randint(1, 3))]
+        for offset in offsets:
+            damaged[offset] ^= rng.randint(1, 255)
+        return bytes(damaged), offsets
+
+    return damage
+
+
+@dataclass
+class FileTrials:
+    planted: int = 0
+    found: int = 0  # trials where some read reported the damage (an error or replay differences)
+    opened: int = 0  # trials where the damaged file still opened as a store
+    violations: list[str] = field(default_factory=list)
+
+
+def run_file_trials(data: bytes, expected: Expected, folder: Path, damage: Damager, count: int) -> FileTrials:
+    """Open a damaged copy of ``data`` per trial and judge every read of it."""
+    trials = FileTrials()
+    path = folder / "damaged.db"
+    for trial in range(count):
+        damaged, offsets = damage(data)
+        for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            leftover.unlink(missing_ok=True)
+        path.write_bytes(damaged)
+        trials.planted += 1
+        outcome = Outcome()
+        store = try_open(path, outcome)
+        if store is not None:
+            trials.opened += 1
+            try:
+                outcome = probe(store, expected, each_key=False)
+            finally:
+                store.close()
+        trials.found += outcome.found
+        trials.violations += [f"trial {trial} (offsets {offsets}): {v}" for v in outcome.violations]
+    return trials
+
+
+def try_open(path: Path, outcome: Outcome) -> Store | None:
+    """The store, or None with the (judged) error of opening it."""
+    opened: list[Store] = []
+    outcome.read("open", lambda: opened.append(open_store(path)), lambda _: None)
+    return opened[0] if opened else None
+
+
+def sample_file(folder: Path) -> tuple[bytes, Expected]:
+    pristine = folder / "pristine.db"
+    with open_store(pristine) as store:
+        expected = populate(store)
+    assert not Path(f"{pristine}-wal").exists()  # the last close checkpointed everything into the file
+    return pristine.read_bytes(), expected
+
+
+def test_random_byte_flips_in_the_file_never_serve_a_wrong_record(tmp_path: Path) -> None:
+    data, expected = sample_file(tmp_path)
+    trials = run_file_trials(data, expected, tmp_path, flipper(random.Random(6)), FILE_TRIALS)
+    assert trials.violations == [], "\n".join(trials.violations[:20])
+    assert trials.planted == FILE_TRIALS and trials.found > FILE_TRIALS // 4
+
+
+def test_an_undamaged_copy_probes_clean(tmp_path: Path) -> None:
+    """The file trials judge real damage: an undamaged copy reads back with nothing found."""
+    data, expected = sample_file(tmp_path)
+    trials = run_file_trials(data, expected, tmp_path, lambda data: (data, []), 1)
+    assert (trials.violations, trials.found, trials.opened) == ([], 0, 1)
