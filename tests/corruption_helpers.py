@@ -8,21 +8,26 @@ key's record, a raw exception, a wrong answer).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from factories import make_record
 
 from store import (
     CaptureAdmission,
     CorruptRecordError,
+    EventKind,
     GenerationCutInventory,
     GenerationCutPrefix,
     RolloutTokenCapture,
     StagedCallSnapshot,
     Store,
     StoreError,
+    open_store,
 )
 from store.queries import StoredCompletion
 from store.replay import ReplayReport
@@ -180,3 +185,180 @@ def _same_completion(outcome: Outcome, found: StoredCompletion | None, completio
         outcome.missing.append("completion")  # the damaged row no longer reads as one: evidence lost, nothing false
         return None
     return None if found == completion else f"another completion: {found}"
+
+
+# --- damaging one row through raw SQL ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Damage:
+    """``SET column = <sql>`` with ``params``: one way to damage one stored value."""
+
+    column: str
+    label: str
+    sql: str = ":value"
+    value: Any = None
+
+
+def is_sqlite(connection: sa.Connection) -> bool:
+    return connection.dialect.name == "sqlite"
+
+
+def flip_text(text: str) -> str:
+    return chr(ord(text[0]) ^ 1) + text[1:]
+
+
+def flip_byte(data: bytes, index: int) -> bytes:
+    damaged = bytearray(data)
+    damaged[index] ^= 0x01
+    return bytes(damaged)
+
+
+def event_damages(row: dict[str, Any], sqlite: bool) -> list[Damage]:
+    """Damage to every stored column of one event row (each differs from the stored value)."""
+    damages: list[Damage] = []
+    for column in ("rollout_id", "model_call_id", "staging_key"):
+        value = row[column]
+        damages.append(
+            Damage(column, "another key" if value is None else "a flipped bit", value=flip_text(value or "r1/c2"))
+        )
+        if column == "staging_key" and value is not None:
+            damages.append(Damage(column, "null", value=None))
+    for kind in [*(k.value for k in EventKind if k.value != row["kind"]), "bogus"]:
+        damages.append(Damage("kind", f"kind {kind}", value=kind))
+    for column in ("stream_version", "writer_pid"):
+        damages += [
+            Damage(column, "+1000", value=row[column] + 1000),
+            Damage(column, "negative", value=-row[column] - 1),
+        ]
+    damages.append(Damage("recorded_at", "+1s", value=row["recorded_at"] + 1.0))
+    for column in ("body", "token_ids", "token_mask", "log_probs", "checksum"):
+        data = row[column]
+        if data is None:
+            damages.append(Damage(column, "bytes where none were", value=b"4\x01\x00\x00\x00"))
+            continue
+        damages += [
+            Damage(column, "a flipped bit in the middle", value=flip_byte(data, len(data) // 2)),
+            Damage(column, "a flipped last bit", value=flip_byte(data, len(data) - 1)),
+            Damage(column, "truncated", value=data[:-1]),
+        ]
+        if column in ("token_ids", "token_mask", "log_probs"):
+            damages.append(Damage(column, "null", value=None))
+    if sqlite:  # SQLite keeps any type in any column: what a damaged file can hold
+        damages += [
+            Damage("kind", "text that is not UTF-8", "CAST(X'ff' AS TEXT)"),
+            Damage("rollout_id", "a blob", "X'7231'"),
+            Damage("stream_version", "text in an integer column", "'abc'"),
+            Damage("recorded_at", "text in a float column", "'abc'"),
+            Damage("body", "text in a blob column", "'abc'"),
+            Damage("checksum", "an integer in a blob column", "7"),
+        ]
+    return damages
+
+
+def set_value(raw: sa.Connection, table: str, column: str, sql: str, value: Any, where: str, ident: Any) -> None:
+    raw.execute(
+        sa.text(f"UPDATE {table} SET {column} = {sql} WHERE {where} = :ident"), {"value": value, "ident": ident}
+    )
+
+
+def event_rows(raw: sa.Connection) -> list[dict[str, Any]]:
+    rows = raw.execute(sa.text("SELECT * FROM events ORDER BY seq")).mappings()
+    return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in row.items()} for row in rows]
+
+
+def one_event_of_each_kind(raw: sa.Connection) -> list[dict[str, Any]]:
+    chosen: dict[tuple[str, bool], dict[str, Any]] = {}
+    for row in event_rows(raw):
+        has_extras = b"extras" in row["body"] and row["rollout_id"] == "r1"
+        chosen.setdefault((row["kind"], has_extras), row)
+    return list(chosen.values())
+
+
+def judge_event_damage(outcome: Outcome, row: dict[str, Any], damage: Damage, expected: Expected) -> list[str]:
+    """What the probe after damaging ``row`` got wrong (empty: every read behaved)."""
+    problems = list(outcome.violations)
+    key = row["staging_key"]
+    for name in (f"fetch {key}", f"fetch_chunks {key}"):
+        if key in expected.records and not outcome.corrupt(name):
+            problems.append(f"{name} was not refused as corrupt")
+    for name, error in outcome.detected.items():
+        if name.startswith("fetch") and not name.endswith(f" {key}"):
+            problems.append(f"{name}: an undamaged record was not served ({error})")
+    if row["kind"] == EventKind.CUT_RECEIPT.value and not outcome.corrupt("cut_receipt"):
+        problems.append("the damaged receipt was not refused as corrupt")
+    if damage.column == "seq":
+        if not outcome.replay_differs:
+            problems.append("replay did not report the moved event")
+    elif not outcome.corrupt("replay"):
+        problems.append(f"replay did not refuse the damaged event: {outcome.detected.get('replay')!r}")
+    elif f"event {row['seq']}" not in str(outcome.detected["replay"]) and "not UTF-8" not in str(
+        outcome.detected["replay"]
+    ):
+        problems.append(f"replay did not name event {row['seq']}: {outcome.detected['replay']}")
+    return problems
+
+
+# --- random byte flips in a SQLite file ---------------------------------------------------------
+Damager = Callable[[bytes], tuple[bytes, list[int]]]
+
+
+def flipper(rng: random.Random) -> Damager:
+    """XOR 1-3 random bytes at random offsets with random non-zero values."""
+
+    def damage(data: bytes) -> tuple[bytes, list[int]]:
+        damaged = bytearray(data)
+        offsets = [rng.randrange(len(data)) for _ in range(rng.randint(1, 3))]
+        for offset in offsets:
+            damaged[offset] ^= rng.randint(1, 255)
+        return bytes(damaged), offsets
+
+    return damage
+
+
+@dataclass
+class FileTrials:
+    planted: int = 0
+    found: int = 0  # trials where some read reported the damage (an error or replay differences)
+    opened: int = 0  # trials where the damaged file still opened as a store
+    lost: int = 0  # trials where some read found nothing where something exists (never a wrong answer)
+    violations: list[str] = field(default_factory=list)
+
+
+def run_file_trials(data: bytes, expected: Expected, folder: Path, damage: Damager, count: int) -> FileTrials:
+    """Open a damaged copy of ``data`` per trial and judge every read of it."""
+    trials = FileTrials()
+    path = folder / "damaged.db"
+    for trial in range(count):
+        damaged, offsets = damage(data)
+        for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            leftover.unlink(missing_ok=True)
+        path.write_bytes(damaged)
+        trials.planted += 1
+        outcome = Outcome()
+        store = try_open(path, outcome)
+        if store is not None:
+            trials.opened += 1
+            try:
+                outcome = probe(store, expected, each_key=False)
+            finally:
+                store.close()
+        trials.found += outcome.found
+        trials.lost += bool(outcome.missing)
+        trials.violations += [f"trial {trial} (offsets {offsets}): {v}" for v in outcome.violations]
+    return trials
+
+
+def try_open(path: Path, outcome: Outcome) -> Store | None:
+    """The store, or None with the (judged) error of opening it."""
+    opened: list[Store] = []
+    outcome.read("open", lambda: opened.append(open_store(path)), lambda _: None)
+    return opened[0] if opened else None
+
+
+def sample_file(folder: Path) -> tuple[bytes, Expected]:
+    pristine = folder / "pristine.db"
+    with open_store(pristine) as store:
+        expected = populate(store)
+    assert not Path(f"{pristine}-wal").exists()  # the last close checkpointed everything into the file
+    return pristine.read_bytes(), expected
