@@ -369,16 +369,19 @@ def event_checksum(values: Mapping[str, Any]) -> bytes:
     """
     hasher = xxhash.xxh3_128(_CHECKSUM_LAYOUT)
     for name in CHECKSUMMED_COLUMNS:
-        hasher.update(_framed(values[name]))
+        value = values[name]
+        if isinstance(value, (bytes, memoryview)):  # the token columns: hashed in place, not copied
+            data = value if isinstance(value, bytes) else value.tobytes()
+            hasher.update(b"b" + len(data).to_bytes(8, "big"))
+            hasher.update(data)
+        else:
+            hasher.update(_framed(value))
     return hasher.digest()
 
 
 def _framed(value: Any) -> bytes:
     if value is None:
         return _NULL
-    if isinstance(value, (bytes, memoryview)):
-        data = bytes(value)
-        return b"b" + len(data).to_bytes(8, "big") + data
     if isinstance(value, str):
         # surrogatepass: hashing never fails where the database itself would refuse the text
         data = value.encode("utf-8", "surrogatepass")

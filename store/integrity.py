@@ -39,19 +39,18 @@ def describe(values: Mapping[Any, Any]) -> str:
 
 def verified_event(values: Mapping[Any, Any]) -> Event:
     """The event a stored row holds, once its checksum and its decoding have held."""
-    where = describe(values)
     stored = values.get("checksum")
     try:
         intact = isinstance(stored, (bytes, memoryview)) and event_checksum(values) == bytes(stored)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise CorruptRecordError(f"{where} holds a value its column cannot hold: {exc}") from exc
+        raise CorruptRecordError(f"{describe(values)} holds a value its column cannot hold: {exc}") from exc
     if not intact:
-        raise CorruptRecordError(f"{where} failed its xxh3 checksum: the stored bytes are damaged")
+        raise CorruptRecordError(f"{describe(values)} failed its xxh3 checksum: the stored bytes are damaged")
     try:
         kind = EventKind(values["kind"])
         body = decode_body(kind, bytes(values["body"]))
     except DECODE_ERRORS as exc:
-        raise CorruptRecordError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
+        raise CorruptRecordError(f"{describe(values)} cannot be decoded: {type(exc).__name__}: {exc}") from exc
     event = Event(
         values["seq"],
         kind,
@@ -63,7 +62,7 @@ def verified_event(values: Mapping[Any, Any]) -> Event:
     )
     problem = _inconsistency(event, values)
     if problem is not None:
-        raise CorruptRecordError(f"{where} is inconsistent: {problem}")
+        raise CorruptRecordError(f"{describe(values)} is inconsistent: {problem}")
     return event
 
 
