@@ -49,6 +49,8 @@ def raw(store_url: str) -> Iterator[sa.Connection]:
     )
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     with engine.connect() as connection:
+        if not is_sqlite(connection):
+            connection.exec_driver_sql("SET synchronous_commit = off")  # damage need not wait for the disk
         yield connection
     engine.dispose()
 
@@ -59,10 +61,11 @@ def test_damage_to_any_column_of_an_event_is_found_and_never_served(store: Store
     planted = found = 0
     failures: list[str] = []
     for index, row in enumerate(one_event_of_each_kind(raw)):
-        damages = [*event_damages(row, sqlite), Damage("seq", "moved", value=row["seq"] + 1000)]
+        damages = [*event_damages(row, sqlite, thorough=False), Damage("seq", "moved", value=row["seq"] + 1000)]
         for damage in damages:
-            if damage.column != "kind" and zlib.crc32(f"{damage.column} {damage.label}".encode()) % 3 != index % 3:
-                continue  # each other damage is planted in two of the six events (keeps the test fast)
+            every_record_gets_it = damage.column == "kind" and row["staging_key"] is not None
+            if not every_record_gets_it and zlib.crc32(f"{damage.column} {damage.label}".encode()) % 3 != index % 3:
+                continue  # planted in two of the six events (tools/soak_corruption.py plants all of them)
             set_value(raw, "events", damage.column, damage.sql, damage.value, "seq", row["seq"])
             outcome = probe(store, expected, each_key=False)
             planted += 1
@@ -72,7 +75,7 @@ def test_damage_to_any_column_of_an_event_is_found_and_never_served(store: Store
             moved = row["seq"] + 1000 if damage.column == "seq" else row["seq"]
             set_value(raw, "events", damage.column, ":value", row[damage.column], "seq", moved)
     assert not failures, "\n".join(failures[:40])
-    assert planted == found and planted > 70
+    assert planted == found and planted > 50
     assert not probe(store, expected).found  # every row was put back
 
 
@@ -191,7 +194,7 @@ def test_the_checksum_covers_every_column_that_says_what_an_event_is(store: Stor
 
 # --- random byte flips in a SQLite file -------------------------------------------------------------
 
-FILE_TRIALS = 100
+FILE_TRIALS = 80
 
 
 def test_random_byte_flips_in_the_file_never_serve_a_wrong_record(tmp_path: Path) -> None:
