@@ -334,9 +334,12 @@ class FileTrials:
     opened: int = 0  # trials where the damaged file still opened as a store
     lost: int = 0  # trials where some read found nothing where something exists (never a wrong answer)
     violations: list[str] = field(default_factory=list)
+    unnoticed: list[bytes] = field(default_factory=list)  # the damaged files no read noticed (if kept)
 
 
-def run_file_trials(data: bytes, expected: Expected, folder: Path, damage: Damager, count: int) -> FileTrials:
+def run_file_trials(
+    data: bytes, expected: Expected, folder: Path, damage: Damager, count: int, *, keep_unnoticed: bool = False
+) -> FileTrials:
     """Open a damaged copy of ``data`` per trial and judge every read of it."""
     trials = FileTrials()
     path = folder / "damaged.db"
@@ -356,6 +359,8 @@ def run_file_trials(data: bytes, expected: Expected, folder: Path, damage: Damag
                 store.close()
         trials.found += outcome.found
         trials.lost += bool(outcome.missing)
+        if keep_unnoticed and not outcome.found:
+            trials.unnoticed.append(damaged)
         trials.violations += [f"trial {trial} (offsets {offsets}): {v}" for v in outcome.violations]
     return trials
 

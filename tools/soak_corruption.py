@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import random
+import sqlite3
 import sys
 import tempfile
 from collections import Counter
@@ -74,16 +75,36 @@ def column_campaign(url: str, raw_url: str) -> dict[str, Any]:
 def file_campaign(trials: int, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="soak-corruption-") as folder:
         data, expected = sample_file(Path(folder))
-        result = run_file_trials(data, expected, Path(folder), flipper(random.Random(seed)), trials)
+        result = run_file_trials(
+            data, expected, Path(folder), flipper(random.Random(seed)), trials, keep_unnoticed=True
+        )
+        pristine = logical_content(data, Path(folder))
+        same = sum(logical_content(damaged, Path(folder)) == pristine for damaged in result.unnoticed)
     return {
         "planted": result.planted,
         "opened": result.opened,
         "found": result.found,
-        "unnoticed (flips in unused bytes, or lost answers only)": result.planted - result.found,
+        "unnoticed": len(result.unnoticed),
+        "unnoticed with every stored value intact (free space, padding)": same,
         "lost answers (nothing found where something exists)": result.lost,
         "misreported": len(result.violations),
         "violations": result.violations[:20],
     }
+
+
+def logical_content(data: bytes, folder: Path) -> list[str] | None:
+    """Every table's rows as SQL text (None if SQLite cannot read them all)."""
+    path = folder / "content.db"
+    for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        leftover.unlink(missing_ok=True)
+    path.write_bytes(data)
+    connection = sqlite3.connect(path)
+    try:
+        return list(connection.iterdump())
+    except (sqlite3.Error, UnicodeDecodeError):
+        return None
+    finally:
+        connection.close()
 
 
 def reset_postgres(url: str) -> None:
