@@ -9,8 +9,9 @@ arrays, so a record built locally is never re-encoded when it is staged.
 from __future__ import annotations
 
 import array
+import struct
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -340,10 +341,55 @@ def decode_floats(data: bytes) -> FloatColumn:
     return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
 
 
-def frame_checksum(*parts: bytes) -> bytes:
-    """xxh3-128 over the stored bytes of one event (corruption check, not a wire digest)."""
-    hasher = xxhash.xxh3_128()
-    for part in parts:
-        hasher.update(len(part).to_bytes(8, "big"))
-        hasher.update(part)
+# The events columns an event's checksum covers, in checksum order: everything but ``seq``
+# (assigned by the database; ``fetch`` checks the event it reached instead) and the checksum.
+CHECKSUMMED_COLUMNS = (
+    "rollout_id",
+    "model_call_id",
+    "stream_version",
+    "kind",
+    "staging_key",
+    "writer_pid",
+    "recorded_at",
+    "body",
+    "token_ids",
+    "token_mask",
+    "log_probs",
+)
+_CHECKSUM_LAYOUT = b"event-checksum-2"  # a later layout changes this, and migrates stored rows
+_NULL = b"n"
+
+
+def event_checksum(values: Mapping[str, Any]) -> bytes:
+    """xxh3-128 over an event's stored columns (a corruption check, not a wire digest).
+
+    Each value is framed with its type and length, so no two different rows hash the
+    same framed bytes.  A value of a type the column cannot hold (what a damaged SQLite
+    file can return) raises ``TypeError``.
+    """
+    hasher = xxhash.xxh3_128(_CHECKSUM_LAYOUT)
+    for name in CHECKSUMMED_COLUMNS:
+        value = values[name]
+        if isinstance(value, (bytes, memoryview)):  # the token columns: hashed in place, not copied
+            data = value if isinstance(value, bytes) else value.tobytes()
+            hasher.update(b"b" + len(data).to_bytes(8, "big"))
+            hasher.update(data)
+        else:
+            hasher.update(_framed(value))
     return hasher.digest()
+
+
+def _framed(value: Any) -> bytes:
+    if value is None:
+        return _NULL
+    if isinstance(value, str):
+        # surrogatepass: hashing never fails where the database itself would refuse the text
+        data = value.encode("utf-8", "surrogatepass")
+        return b"s" + len(data).to_bytes(8, "big") + data
+    if isinstance(value, bool):
+        raise TypeError("a stored event column cannot hold a bool")
+    if isinstance(value, int):
+        return b"i" + value.to_bytes(8, "big", signed=True)  # OverflowError: not a stored integer
+    if isinstance(value, float):
+        return b"f" + struct.pack(">d", value)
+    raise TypeError(f"a stored event column cannot hold a {type(value).__name__}")

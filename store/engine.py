@@ -187,7 +187,8 @@ def storage_error(action: str, exc: BaseException) -> StorageError:
 
 def driver_errors(engine: Engine) -> tuple[type[BaseException], ...]:
     dbapi = engine.dialect.loaded_dbapi
-    return (sa.exc.SQLAlchemyError, dbapi.Error)
+    # sqlite3 raises UnicodeDecodeError for an error message quoting a damaged file's schema.
+    return (sa.exc.SQLAlchemyError, dbapi.Error, UnicodeDecodeError)
 
 
 # --- migrations --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
-from store.columns import encode_floats, encode_ids, encode_mask, frame_checksum
+from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error
 from store.errors import StoreError
@@ -142,32 +142,22 @@ class WriteTransaction:
         else:
             values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
             version = (self._execute(self._sql.stream_version, values).fetchone()[0] or 0) + 1
-        body = encode_body(new.body)
-        if new.columns is None:
-            ids = mask = lps = None
-            checksum = frame_checksum(body)
-        else:
-            ids = encode_ids(new.columns.token_ids)
-            mask = encode_mask(new.columns.token_mask)
-            lps = encode_floats(new.columns.log_probs)
-            checksum = frame_checksum(body, ids, mask, lps)
-        row = self._execute(
-            self._sql.insert_event,
-            {
-                "rollout_id": new.rollout_id,
-                "model_call_id": new.model_call_id,
-                "stream_version": version,
-                "kind": new.kind.value,
-                "staging_key": new.staging_key,
-                "writer_pid": self._pid,
-                "recorded_at": time.time(),
-                "body": body,
-                "token_ids": ids,
-                "token_mask": mask,
-                "log_probs": lps,
-                "checksum": checksum,
-            },
-        ).fetchone()
+        columns = new.columns
+        stored: dict[str, Any] = {
+            "rollout_id": new.rollout_id,
+            "model_call_id": new.model_call_id,
+            "stream_version": version,
+            "kind": new.kind.value,
+            "staging_key": new.staging_key,
+            "writer_pid": self._pid,
+            "recorded_at": time.time(),
+            "body": encode_body(new.body),
+            "token_ids": None if columns is None else encode_ids(columns.token_ids),
+            "token_mask": None if columns is None else encode_mask(columns.token_mask),
+            "log_probs": None if columns is None else encode_floats(columns.log_probs),
+        }
+        stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
+        row = self._execute(self._sql.insert_event, stored).fetchone()
         seq = int(row[0])
         event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)

@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 
 from store.columns import FloatColumn, carry_count
+from store.errors import CorruptRecordError
 from store.events import (
     RECORD_KINDS,
     AdmissionBody,
@@ -99,6 +100,15 @@ class CallState:
     @classmethod
     def from_row(cls, row: Any) -> CallState:
         values = dict(row._mapping) if hasattr(row, "_mapping") else dict(row)
+        try:
+            return cls._decoded(values)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            call = f"{values.get('rollout_id')!r}/{values.get('model_call_id')!r}"
+            message = f"the calls row of {call} is damaged ({exc}); replay(repair=True) rebuilds it"
+            raise CorruptRecordError(message) from exc
+
+    @classmethod
+    def _decoded(cls, values: dict[str, Any]) -> CallState:
         admitted = values["admitted_version"]
         return cls(
             rollout_id=values["rollout_id"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -11,12 +11,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from store import schema
-from store.columns import decode_floats, decode_ids, decode_mask, frame_checksum
+from store.columns import decode_floats, decode_ids, decode_mask
 from store.digest import PackedColumns, staging_digest_and_columns
 from store.engine import driver_errors, storage_error
 from store.errors import CorruptRecordError, InvalidRecordError, UnknownKeyError
-from store.events import EventKind, RecordBody, Span, decode_body
-from store.projections import CallState
+from store.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, Span
+from store.integrity import DECODE_ERRORS, describe, undecodable_text, verified_event
+from store.projections import CallState, Event
 from store.records import StagedCallSnapshot, trusted_snapshot
 
 _FETCH_CHUNK = 500
@@ -111,6 +112,8 @@ class Reader:
             with self._engine.connect() as connection:
                 yield connection
         except self._errors as exc:
+            if undecodable_text(exc):
+                raise CorruptRecordError(f"{action} failed: stored text is not UTF-8 (the file is damaged)") from exc
             raise storage_error(action, exc) from exc
 
     def fetch(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StagedCallSnapshot]:
@@ -124,21 +127,22 @@ class Reader:
                 raise InvalidRecordError(f"staging keys must be non-empty strings, got {key!r}")
         rows: dict[str, Any] = {}
         events, staged = schema.events, schema.staged_keys
+        # An outer join: a key whose event is missing is damage, not an unknown key.
         query = (
-            sa.select(staged.c.staging_key, *events.c)
-            .join(events, events.c.seq == staged.c.event_seq)
+            sa.select(*(column.label(f"key_{column.name}") for column in staged.c), *events.c)
+            .select_from(staged.outerjoin(events, events.c.seq == staged.c.event_seq))
             .where(staged.c.staging_key.in_(sa.bindparam("keys", expanding=True)))
         )
         with self.connection("fetching staged records") as connection:
             for start in range(0, len(wanted), _FETCH_CHUNK):
                 chunk = wanted[start : start + _FETCH_CHUNK]
                 for row in connection.execute(query, {"keys": chunk}):
-                    rows[row.staging_key] = row
+                    rows[row.key_staging_key] = row._mapping
         missing = [key for key in wanted if key not in rows]
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise UnknownKeyError(f"no staged record under {len(missing)} key(s): {shown}")
-        chunks = {key: _stored_chunk(row, verify_digests) for key, row in rows.items()}
+        chunks = {key: _stored_chunk(key, row, verify_digests) for key, row in rows.items()}
         return [chunks[key] for key in keys]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
@@ -159,7 +163,7 @@ class Reader:
     def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
         events = schema.events
         query = (
-            sa.select(events.c.staging_key, events.c.body, events.c.recorded_at)
+            sa.select(*events.c)
             .where(
                 events.c.rollout_id == rollout_id,
                 events.c.model_call_id == model_call_id,
@@ -172,7 +176,13 @@ class Reader:
             row = connection.execute(query).first()
         if row is None:
             return None
-        body: RecordBody = decode_body(EventKind.CALL_COMPLETED, bytes(row.body))
+        event = verified_event(row._mapping)
+        if event.kind is not EventKind.CALL_COMPLETED or (event.rollout_id, event.model_call_id) != (
+            rollout_id,
+            model_call_id,
+        ):
+            raise CorruptRecordError(f"{describe(row._mapping)} is not the completion of {rollout_id}/{model_call_id}")
+        body: RecordBody = event.body
         completion = body.completion
         return StoredCompletion(
             staging_key=row.staging_key,
@@ -188,33 +198,68 @@ class Reader:
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         receipts, events = schema.cut_receipts, schema.events
         query = (
-            sa.select(events.c.kind, events.c.body, events.c.checksum)
-            .join(receipts, receipts.c.event_seq == events.c.seq)
+            sa.select(receipts.c.event_seq.label("receipt_event_seq"), *events.c)
+            .select_from(receipts.outerjoin(events, receipts.c.event_seq == events.c.seq))
             .where(receipts.c.checkpoint_id == checkpoint_id, receipts.c.inventory_digest == inventory_digest)
         )
         with self.connection("reading a cut receipt") as connection:
             row = connection.execute(query).first()
         if row is None:
             return None
-        if frame_checksum(bytes(row.body)) != bytes(row.checksum):
-            raise CorruptRecordError(f"the stored receipt of checkpoint {checkpoint_id!r} failed its checksum")
-        return bytes(decode_body(EventKind(row.kind), bytes(row.body)).receipt)
+        where = f"the stored receipt of checkpoint {checkpoint_id!r}"
+        if row.seq is None:
+            raise CorruptRecordError(f"{where} names event {row.receipt_event_seq!r}, which is not in the log")
+        event = verified_event(row._mapping)
+        body = event.body
+        if not isinstance(body, CutReceiptBody) or (body.checkpoint_id, body.inventory_digest) != (
+            checkpoint_id,
+            inventory_digest,
+        ):
+            raise CorruptRecordError(f"{where} names {describe(row._mapping)}, which is not that receipt")
+        return bytes(body.receipt)
 
 
-def _stored_chunk(row: Any, verify_digest: bool) -> StoredChunk:
-    snapshot, spans = snapshot_from_row(row, verify_digest=verify_digest)
-    return StoredChunk(snapshot, spans, EventKind(row.kind))  # the kind decoded fine just above
+def _stored_chunk(key: str, row: Mapping[Any, Any], verify_digest: bool) -> StoredChunk:
+    snapshot, spans = staged_record(key, row, verify_digest=verify_digest)
+    return StoredChunk(snapshot, spans, EventKind(row["kind"]))  # checked to be a record kind just above
 
 
-def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> tuple[StagedCallSnapshot, list[Span]]:
-    """Verify a stored record (checksum, then digest) and rebuild its snapshot and spans."""
-    body_bytes, ids, mask, lps = bytes(row.body), bytes(row.token_ids), bytes(row.token_mask), bytes(row.log_probs)
-    where = f"event {row.seq} (key {row.staging_key!r})"
-    if frame_checksum(body_bytes, ids, mask, lps) != bytes(row.checksum):
-        raise CorruptRecordError(f"{where} failed its xxh3 checksum: the stored bytes are damaged")
-    body: RecordBody = decode_body(EventKind(row.kind), body_bytes)
+def staged_record(
+    key: str, row: Mapping[Any, Any], *, verify_digest: bool = True
+) -> tuple[StagedCallSnapshot, list[Span]]:
+    """The record staged under ``key``: the event its ``staged_keys`` row names, checked to be
+    that key's record (never another call's), then verified and rebuilt with its spans."""
+    if row["seq"] is None:
+        raise CorruptRecordError(f"staged key {key!r} names event {row['key_event_seq']!r}, which is not in the log")
+    event = verified_event(row)
+    where = describe(row)
+    body = event.body
+    if event.kind not in RECORD_KINDS or not isinstance(body, RecordBody):
+        raise CorruptRecordError(f"staged key {key!r} names {where}, a {event.kind.value} event, not a record")
+    if event.staging_key != key:
+        raise CorruptRecordError(f"staged key {key!r} names {where}, the record of another key")
+    if (row["key_rollout_id"], row["key_model_call_id"]) != (event.rollout_id, event.model_call_id):
+        raise CorruptRecordError(
+            f"staged key {key!r} belongs to {row['key_rollout_id']}/{row['key_model_call_id']}, "
+            f"but names {where} of {event.rollout_id}/{event.model_call_id}"
+        )
+    if row["key_digest"] != body.digest:
+        raise CorruptRecordError(f"staged key {key!r} expects digest {row['key_digest']!r}, {where} holds another")
+    return snapshot_from_event(event, row, verify_digest=verify_digest)
+
+
+def snapshot_from_event(
+    event: Event, row: Mapping[Any, Any], *, verify_digest: bool = True
+) -> tuple[StagedCallSnapshot, list[Span]]:
+    """Rebuild a verified record event's snapshot and spans (its digest re-hashed unless told not)."""
+    body: RecordBody = event.body
+    where = describe(row)
     try:
-        columns = PackedColumns(decode_ids(ids), decode_mask(mask), decode_floats(lps))
+        columns = PackedColumns(
+            decode_ids(bytes(row["token_ids"])),
+            decode_mask(bytes(row["token_mask"])),
+            decode_floats(bytes(row["log_probs"])),
+        )
         if verify_digest:
             digest, columns = staging_digest_and_columns(
                 **_record_fields(body),
@@ -226,15 +271,16 @@ def snapshot_from_row(row: Any, *, verify_digest: bool = True) -> tuple[StagedCa
             )
         else:
             digest = body.digest
-    except (ValueError, TypeError) as exc:
+    except DECODE_ERRORS as exc:
         raise CorruptRecordError(f"{where} no longer validates: {exc}") from exc
     if digest != body.digest:
         raise CorruptRecordError(f"{where} does not match its staged digest")
     try:
         snapshot = trusted_snapshot(StagedCallSnapshot, digest, columns, **_record_fields(body), extras=body.extras)
-        return snapshot, [tuple(span) for span in body.spans]  # type: ignore[misc]
-    except InvalidRecordError as exc:
+        spans = [(int(start), int(end), int(version)) for start, end, version in body.spans]
+    except (InvalidRecordError, *DECODE_ERRORS) as exc:
         raise CorruptRecordError(f"{where}: {exc}") from exc
+    return snapshot, spans
 
 
 def _record_fields(body: RecordBody) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,8 @@ from sqlalchemy.engine import Engine
 
 from store import schema
 from store.engine import Backend, driver_errors, storage_error
-from store.events import EventKind, decode_body
+from store.errors import CorruptRecordError
+from store.integrity import undecodable_text, verified_event
 from store.projections import CallState, Event, KeyState, affects_call, fold_call, fold_keys, fold_receipt
 
 _MAX_DIFFERENCES = 50
@@ -57,34 +59,31 @@ class ReplayReport:
 Tables = dict[str, dict[tuple[Any, ...], dict[str, Any]]]
 
 
+def verified_events(connection: sa.Connection) -> Iterator[Event]:
+    """The log in sequence order, each event checked (``CorruptRecordError`` naming a damaged one)."""
+    events = schema.events
+    query = sa.select(*events.c).order_by(events.c.seq).execution_options(yield_per=1000)
+    last_seq = None
+    try:
+        for row in connection.execute(query):
+            yield verified_event(row._mapping)
+            last_seq = row.seq
+    except driver_errors(connection.engine) as exc:
+        if not undecodable_text(exc):
+            raise
+        after = "the first event" if last_seq is None else f"the event after {last_seq}"
+        raise CorruptRecordError(f"{after} holds text that is not UTF-8 (the file is damaged)") from exc
+
+
 def rebuild(connection: sa.Connection) -> tuple[int, Tables]:
     """Fold the whole log, in sequence order, into projection rows."""
-    events = schema.events
-    query = sa.select(
-        events.c.seq,
-        events.c.kind,
-        events.c.rollout_id,
-        events.c.model_call_id,
-        events.c.stream_version,
-        events.c.staging_key,
-        events.c.body,
-    ).order_by(events.c.seq)
     calls: dict[tuple[str, str], CallState] = {}
     keys: dict[str, KeyState] = {}
     receipts: dict[tuple[str, str], int] = {}
     count = 0
-    for row in connection.execute(query.execution_options(yield_per=1000)):
+    for event in verified_events(connection):
         count += 1
-        kind = EventKind(row.kind)
-        event = Event(
-            row.seq,
-            kind,
-            row.rollout_id,
-            row.model_call_id,
-            row.stream_version,
-            row.staging_key,
-            decode_body(kind, bytes(row.body)),
-        )
+        kind = event.kind
         if affects_call(kind):
             stream = (event.rollout_id, event.model_call_id)
             calls[stream] = fold_call(calls.get(stream), event)

@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 
 metadata = MetaData()
 

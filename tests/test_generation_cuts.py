@@ -844,7 +844,8 @@ def test_generation_cut_that_cannot_be_read_is_refused_as_a_capture_error(
 
         monkeypatch.setattr(rollout.store, "fetch_chunks", failing_fetch_chunks)
         cause = StorageError
-    with writes_nothing(rollout.store, ("r0-a1", "c1")), pytest.raises(GenerationCutError) as refused:
+    damaged = fault == "damaged-chunk"
+    with writes_nothing(rollout.store, ("r0-a1", "c1"), damaged=damaged), pytest.raises(GenerationCutError) as refused:
         rollout.restore(cut.ack, attempt=1, track=False)
     assert isinstance(refused.value.__cause__, cause)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -16,11 +18,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from corruption_helpers import populate
 from factories import make_record
 
 import store as lib
 from store import engine as engine_module
 from store import open_store
+from store.columns import event_checksum
 from store.engine import migrations_path
 from store.schema import SCHEMA_REVISION, metadata
 
@@ -164,12 +168,66 @@ def test_two_processes_opening_the_same_new_file_both_succeed(tmp_path: Path) ->
             assert opened.replay().ok
 
 
+def load_migration(name: str) -> Any:
+    """A migration script as a module (its frozen checksum layouts are used below)."""
+    spec = importlib.util.spec_from_file_location(f"migration_{name}", migrations_path() / "versions" / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_migration_0002_rewrites_the_checksums_that_verify(store_url: str) -> None:
+    with open_store(store_url) as opened:
+        expected = populate(opened)
+    migration = load_migration("0002_event_checksum_covers_identity.py")
+    damaged_key = "r1/c2"
+    # The store as revision 0001 left it: layout-1 checksums, and one event already damaged.
+    engine = raw_engine(store_url)
+    try:
+        with engine.begin() as connection:
+            rows = [dict(row._mapping) for row in connection.execute(sa.text("SELECT * FROM events"))]
+            for row in rows:
+                checksum = migration.layout_1(row)
+                if row["staging_key"] == damaged_key:
+                    checksum = bytes([checksum[0] ^ 1]) + checksum[1:]
+                connection.execute(
+                    sa.text("UPDATE events SET checksum = :c WHERE seq = :seq"), {"c": checksum, "seq": row["seq"]}
+                )
+            connection.execute(sa.text("UPDATE alembic_version SET version_num = '0001'"))
+    finally:
+        engine.dispose()
+
+    with open_store(store_url) as migrated:
+        assert revisions(store_url) == [SCHEMA_REVISION]
+        for key, (_, _, digest, _) in expected.records.items():
+            if key == damaged_key:
+                with pytest.raises(lib.CorruptRecordError, match="checksum"):
+                    migrated.fetch([key])  # a row that failed its old checksum keeps failing
+            else:
+                assert migrated.fetch([key])[0].digest == digest
+        assert migrated.cut_receipt(*expected.receipt[:2]) == expected.receipt[2]
+        assert migrated.completion("r3", "c0") == expected.completions[("r3", "c0")]
+        with pytest.raises(lib.CorruptRecordError, match="event"):
+            migrated.replay()
+    engine = raw_engine(store_url)
+    try:
+        with engine.connect() as connection:
+            for row in connection.execute(sa.text("SELECT * FROM events")):
+                values = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in row._mapping.items()}
+                intact = event_checksum(values) == values["checksum"] == migration.layout_2(values)
+                assert intact is (values["staging_key"] != damaged_key)
+    finally:
+        engine.dispose()
+
+
 # --- a non-editable install in a clean venv ------------------------------------------------------
 
 _INSTALLED_PROGRAM = """
 import json, sys, sysconfig
 import store
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
+from store.columns import event_checksum
 from store.engine import migrations_path
 
 ids = [5, 6, 7, 8, 9]

@@ -17,7 +17,7 @@ from factories import make_record
 
 import store as lib
 from store import EventKind, StagedCallRecord, Store, open_store
-from store.columns import frame_checksum
+from store.columns import event_checksum
 
 U64_MAX = 2**64 - 1
 
@@ -537,12 +537,11 @@ def test_bytes_that_pass_the_checksum_but_not_the_digest_are_refused(store_url: 
     assert store.stage(record).ok
     with raw_engine(store_url) as engine, engine.begin() as connection:
         row = connection.execute(
-            sa.text("SELECT seq, body, token_ids, token_mask, log_probs FROM events WHERE staging_key = :k"),
-            {"k": record.staging_key},
+            sa.text("SELECT * FROM events WHERE staging_key = :k"), {"k": record.staging_key}
         ).one()
         ids = bytearray(bytes(row.token_ids))
         ids[-1] ^= 0x01  # another token id, re-checksummed: only the digest can catch it
-        checksum = frame_checksum(bytes(row.body), bytes(ids), bytes(row.token_mask), bytes(row.log_probs))
+        checksum = event_checksum({**row._mapping, "token_ids": bytes(ids)})
         connection.execute(
             sa.text("UPDATE events SET token_ids = :ids, checksum = :c WHERE seq = :seq"),
             {"ids": bytes(ids), "c": checksum, "seq": row.seq},

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
-from store.columns import encode_floats, encode_ids, encode_mask, frame_checksum
+from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.events import encode_body, record_body
 from store.projections import generated_spans
 
@@ -82,7 +82,26 @@ def raw_row(record: StagedCallRecord) -> RawRow:
     columns = record.columns
     body = encode_body(record_body(record, generated_spans(columns.token_mask, record.weight_version)))
     ids, mask, lps = encode_ids(columns.token_ids), encode_mask(columns.token_mask), encode_floats(columns.log_probs)
-    return record.staging_key, body, ids, mask, lps, frame_checksum(body, ids, mask, lps)
+    return record.staging_key, body, ids, mask, lps, floor_checksum(record, body, ids, mask, lps)
+
+
+def floor_checksum(record: StagedCallRecord, body: bytes, ids: bytes, mask: bytes, lps: bytes) -> bytes:
+    """The event checksum of the row ``run_store_schema_floor`` inserts (its fixed version, pid and time)."""
+    return event_checksum(
+        {
+            "rollout_id": record.rollout_id,
+            "model_call_id": record.model_call_id,
+            "stream_version": 1,
+            "kind": "call_completed",
+            "staging_key": record.staging_key,
+            "writer_pid": 1,
+            "recorded_at": 0.0,
+            "body": body,
+            "token_ids": ids,
+            "token_mask": mask,
+            "log_probs": lps,
+        }
+    )
 
 
 # --- variants: each returns elapsed seconds and extra facts ----------------------------------
@@ -95,7 +114,7 @@ def plain_row(record: StagedCallRecord) -> RawRow:
     ids = columns.token_ids.big_endian().tobytes()
     mask = columns.token_mask.big_endian_f32().tobytes()
     lps = columns.log_probs.big_endian_f32().tobytes()
-    return key, body, ids, mask, lps, frame_checksum(body, ids, mask, lps)
+    return key, body, ids, mask, lps, floor_checksum(record, body, ids, mask, lps)
 
 
 def run_store_schema_floor(path: str, records: list[StagedCallRecord]) -> tuple[float, dict[str, Any]]:

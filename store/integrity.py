@@ -1,0 +1,100 @@
+"""Reading events back: nothing read from the log is trusted before it is checked.
+
+Every read path (``fetch``, ``fetch_chunks``, ``completion``, ``cut_receipt``, replay) turns a
+stored row into an ``Event`` only through ``verified_event``: the row's checksum covers every
+column that says what the event is, and any value that cannot be decoded is corruption.  Both
+are reported as ``CorruptRecordError`` naming the event, never as a raw decoding error.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from store.columns import event_checksum
+from store.errors import CorruptRecordError
+from store.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, decode_body
+from store.projections import RECEIPT_STREAM, Event
+
+# What decoding damaged bytes can raise (msgspec's errors derive from ValueError; listed for clarity).
+DECODE_ERRORS = (
+    msgspec.DecodeError,
+    msgspec.ValidationError,
+    ValueError,
+    TypeError,
+    OverflowError,
+    KeyError,
+    IndexError,
+)
+
+
+def describe(values: Mapping[Any, Any]) -> str:
+    """How an error names a stored event: its sequence number and, if any, its staging key."""
+    key = values.get("staging_key")
+    return f"event {values.get('seq')!r}" + (f" (key {key!r})" if isinstance(key, str) else "")
+
+
+def verified_event(values: Mapping[Any, Any]) -> Event:
+    """The event a stored row holds, once its checksum and its decoding have held."""
+    stored = values.get("checksum")
+    try:
+        intact = isinstance(stored, (bytes, memoryview)) and event_checksum(values) == bytes(stored)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CorruptRecordError(f"{describe(values)} holds a value its column cannot hold: {exc}") from exc
+    if not intact:
+        raise CorruptRecordError(f"{describe(values)} failed its xxh3 checksum: the stored bytes are damaged")
+    try:
+        kind = EventKind(values["kind"])
+        body = decode_body(kind, bytes(values["body"]))
+    except DECODE_ERRORS as exc:
+        raise CorruptRecordError(f"{describe(values)} cannot be decoded: {type(exc).__name__}: {exc}") from exc
+    event = Event(
+        values["seq"],
+        kind,
+        values["rollout_id"],
+        values["model_call_id"],
+        values["stream_version"],
+        values["staging_key"],
+        body,
+    )
+    problem = _inconsistency(event, values)
+    if problem is not None:
+        raise CorruptRecordError(f"{describe(values)} is inconsistent: {problem}")
+    return event
+
+
+def _inconsistency(event: Event, values: Mapping[Any, Any]) -> str | None:
+    """What contradicts itself in an event that passed its checksum (a writer bug or a forgery)."""
+    body = event.body
+    has_columns = [values[name] is not None for name in ("token_ids", "token_mask", "log_probs")]
+    if event.kind in RECORD_KINDS:
+        assert isinstance(body, RecordBody)
+        if not isinstance(event.staging_key, str) or not event.staging_key:
+            return f"a {event.kind.value} event without a staging key"
+        if not all(has_columns):
+            return f"a {event.kind.value} event without its token columns"
+        if (body.rollout_id, body.model_call_id) != (event.rollout_id, event.model_call_id):
+            return (
+                f"its body is the record of {body.rollout_id}/{body.model_call_id}, "
+                f"its stream {event.rollout_id}/{event.model_call_id}"
+            )
+        return None
+    if event.staging_key is not None or any(has_columns):
+        return f"a {event.kind.value} event with a staging key or token columns"
+    if event.kind is EventKind.CUT_RECEIPT:
+        assert isinstance(body, CutReceiptBody)
+        if (event.rollout_id, event.model_call_id) != (RECEIPT_STREAM, body.checkpoint_id):
+            stream = f"{event.rollout_id}/{event.model_call_id}"
+            return f"the receipt of checkpoint {body.checkpoint_id!r} on stream {stream}"
+    return None
+
+
+def undecodable_text(exc: BaseException) -> bool:
+    """SQLite's errors for stored text that is not UTF-8 (only a damaged file holds such text)."""
+    cause = getattr(exc, "orig", None) or exc
+    if isinstance(cause, UnicodeDecodeError):
+        return True
+    return isinstance(cause, sqlite3.OperationalError) and "Could not decode to UTF-8" in str(cause)
