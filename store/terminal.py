@@ -119,8 +119,9 @@ def assistant_fingerprint(items: Sequence[Any]) -> str | None:
     """SHA-256 over the model-authored items (assistant text and tool calls), in order.
 
     User, system and tool-output items are skipped, so reformatted tool output never changes
-    it; None when there is no model-authored item.  Chat-style ``tool_calls`` on a message and
-    Responses ``function_call`` items hash alike; JSON arguments hash in canonical form.
+    it; None when there is no model-authored item.  Only the tagged, length-prefixed text parts
+    and tool calls are hashed, not item boundaries, so Responses ``function_call`` items, chat
+    ``tool_calls`` and Anthropic ``tool_use`` blocks hash alike; JSON arguments hash canonically.
     Raises ``UnfingerprintableError`` for an item it cannot read.
     """
     hasher = hashlib.sha256(_FINGERPRINT_DOMAIN)
@@ -131,7 +132,6 @@ def assistant_fingerprint(items: Sequence[Any]) -> str | None:
         if not is_model_authored(item):
             continue
         count += 1
-        hasher.update(b"\x00")
         for text in _texts(item):
             _field(hasher, b"T", text)
         for call_id, name, arguments in _tool_calls(item):
