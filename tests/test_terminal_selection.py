@@ -367,7 +367,7 @@ def test_no_witness_at_all_lets_the_caller_fall_back_to_the_heuristic() -> None:
     assert resolve_terminal(["not a row"], None) == attribution(None, None, "invalid_records")  # type: ignore[list-item]
 
 
-@FAST
+@settings(max_examples=40, deadline=None)
 @given(
     st.recursive(
         st.none() | st.booleans() | st.integers() | st.text(),
