@@ -166,6 +166,10 @@ def _check_receipt(receipt: Any) -> RolloutReceipt:
         raise _fail("rollout_failed", f"the rollout failed: {receipt.failure_reason}")
     if receipt.capture_poisoned:
         raise _fail("capture_poisoned", "the receipt marks token capture as poisoned")
+    if not isinstance(receipt.manifest, (list, tuple)):
+        raise ReceiptTypeError(
+            "not_a_call_record", f"the manifest must be a list, got {type(receipt.manifest).__name__}"
+        )
     if not receipt.manifest:
         raise _fail("empty_manifest", "the receipt commits no calls")
     for row in receipt.manifest:
@@ -192,6 +196,8 @@ def _bind(manifest: Sequence[CallRecord], snapshots: Sequence[Any]) -> list[Stag
         duplicate = _first_duplicate(values)
         if duplicate is not None:
             raise _fail(code, f"{duplicate!r} appears twice in the manifest")
+    if not isinstance(snapshots, Sequence) or isinstance(snapshots, (str, bytes)):
+        raise ReceiptTypeError("not_a_snapshot", f"snapshots must be a sequence, got {type(snapshots).__name__}")
     if len(snapshots) != len(manifest):
         raise _fail("row_count_mismatch", f"{len(snapshots)} snapshots for {len(manifest)} manifest rows")
     for snapshot in snapshots:
@@ -282,7 +288,7 @@ def _verify(receipt: Any, snapshots: Sequence[Any]) -> _Verified:
 
 
 def _ancestry(records: Mapping[str, CallRecord], leaf_id: str | None) -> list[CallRecord]:
-    leaf = records.get(leaf_id) if leaf_id is not None else None
+    leaf = records.get(leaf_id) if isinstance(leaf_id, str) else None
     if leaf is None:
         raise RebuildError("missing_terminal", f"the terminal call {leaf_id!r} is not in the manifest")
     chain = [leaf]

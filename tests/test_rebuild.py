@@ -195,6 +195,7 @@ def test_missing_terminal_and_wrong_parent_length_are_rejected() -> None:
     receipt, snapshots = branched()
     assert rejected(tampered(receipt, terminal_model_call_id=None), snapshots) == "missing_terminal"
     assert rejected(tampered(receipt, terminal_model_call_id="ghost"), snapshots) == "missing_terminal"
+    assert rejected(tampered(receipt, terminal_model_call_id=["main"]), snapshots) == "missing_terminal"
 
     rollout = Rollout()
     rollout.call("root", prompt=[10, 11], generated=[12])
@@ -259,6 +260,9 @@ def test_values_that_are_not_receipts_or_snapshots_are_type_errors() -> None:
         (receipt, [json.loads(to_json(snapshots[0])), *snapshots[1:]], "not_a_snapshot"),
         (receipt, [receipt.manifest[0], *snapshots[1:]], "not_a_snapshot"),
         (tampered(receipt, manifest=[{"model_call_id": "root"}]), snapshots, "not_a_call_record"),
+        (tampered(receipt, manifest=5), snapshots, "not_a_call_record"),
+        (receipt, None, "not_a_snapshot"),
+        (receipt, iter(snapshots), "not_a_snapshot"),
     ]:
         with pytest.raises(ReceiptTypeError) as error:
             verify_and_linearize(bad_receipt, bad_snapshots)
