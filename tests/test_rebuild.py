@@ -10,6 +10,7 @@ import struct
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from factories import make_record
 from hypothesis import HealthCheck, given, settings
@@ -635,3 +636,11 @@ def test_routes_of_different_shape_or_dtype_across_calls_are_rejected() -> None:
     with pytest.raises(RebuildError):
         encode_routed_experts([[[300]]], "int8")
     assert compute_extras_digest({"routed_experts": encode_routed_experts([[[1]]])}) != EMPTY_EXTRAS_DIGEST
+
+
+def test_row_floats_are_the_binary32_values_the_digests_verified() -> None:
+    record = make_record(model_call_id="root", prompt=[1], generated=[2, 3], logprobs=[-0.1, -1e-40])
+    row = verify_and_linearize(receipt_for([manifest_row(record)], "root"), [record])
+    assert row.logprobs.array.tolist() == [0.0, float(np.float32(-0.1)), float(np.float32(-1e-40))]
+    assert row.logprobs == [0.0, -0.1, -1e-40]  # equal as hashed
+    assert row.token_mask.array.dtype == np.float64 and row.token_mask.tolist() == [0.0, 1.0, 1.0]
