@@ -262,12 +262,12 @@ def _check_graph(manifest: Sequence[CallRecord], records: Mapping[str, CallRecor
                     "parent_length_mismatch",
                     f"call {row.model_call_id} starts at {row.prev_len}, its parent ends at {parent.cum_len}",
                 )
-        walked: list[str] = []
+        walked: set[str] = set()
         cursor: CallRecord | None = row
         while cursor is not None and cursor.model_call_id not in acyclic:
             if cursor.model_call_id in walked:
                 raise RebuildError("lineage_cycle", f"the ancestry of call {row.model_call_id} loops")
-            walked.append(cursor.model_call_id)
+            walked.add(cursor.model_call_id)
             cursor = records.get(cursor.parent_call_id) if cursor.parent_call_id is not None else None
         acyclic.update(walked)
 
