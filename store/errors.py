@@ -76,3 +76,27 @@ class AdmissionTypeError(CaptureError, TypeError):
 
 class CaptureDataError(CaptureError, ValueError):
     """A prompt or engine output does not fit its call; completion turns it into failed coords."""
+
+
+class ReceiptVerificationError(StoreError, ValueError):
+    """A rollout receipt or a staged snapshot failed verification (wire-contract 6.1).
+
+    ``code`` is the contract's machine-readable reason (``corrupt_digest``, ``wrong_prev_len``,
+    ...); the message adds the detail.  Gym raises a ``ValueError`` subclass, and so does this.
+    """
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # keeps .code across pickling
+        return type(self), (self.code, str(self).removeprefix(f"{self.code}: "))
+
+
+class RebuildError(ReceiptVerificationError):
+    """A verified manifest cannot form a token chain: a missing parent, a broken link, a cycle, ..."""
+
+
+class ReceiptTypeError(ReceiptVerificationError, TypeError):
+    """``verify_and_linearize`` was handed something that is not a receipt or a base snapshot
+    (Gym raises ``TypeError`` for the same input)."""
