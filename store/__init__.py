@@ -5,6 +5,7 @@ the tokens of still-decoding calls so a replacement call can continue from a pro
 prefix.  Everything is an event in one append-only log; tables are projections of it.
 """
 
+from store.audit import AuditProblem, AuditReport
 from store.capture import ActiveCall, CaptureAdapter, Continuation, RolloutTokenCapture
 from store.columns import FloatColumn, TokenIds
 from store.cut_records import (
@@ -72,6 +73,8 @@ from store.store import StageEntry, Store, open_store
 __all__ = [
     "ActiveCall",
     "AdmissionTypeError",
+    "AuditProblem",
+    "AuditReport",
     "CallInfo",
     "CallRecord",
     "CaptureAdapter",

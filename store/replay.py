@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +73,17 @@ class UnreadableRow:
     reason: str
 
 
-def stored_rows(connection: sa.Connection) -> Iterator[Mapping[str, Any] | UnreadableRow]:
+# Rows fetched per round trip: a few MB of token columns at most, whatever the log's size.
+ROWS_PER_FETCH = 64
+
+
+def stored_rows(connection: sa.Connection) -> Iterator[Mapping[Any, Any] | UnreadableRow]:
     """Every row of the log in sequence order, streamed; a row the driver cannot read is
     yielded as ``UnreadableRow`` and the scan goes on after it."""
     events = schema.events
     after: int | None = None
     while True:
-        query = sa.select(*events.c).order_by(events.c.seq).execution_options(yield_per=1000)
+        query = sa.select(*events.c).order_by(events.c.seq).execution_options(yield_per=ROWS_PER_FETCH)
         if after is not None:
             query = query.where(events.c.seq > after)
         try:
@@ -98,7 +102,7 @@ def stored_rows(connection: sa.Connection) -> Iterator[Mapping[str, Any] | Unrea
 
 def _rows_one_by_one(
     connection: sa.Connection, after: int | None
-) -> Iterator[Mapping[str, Any] | UnreadableRow]:
+) -> Generator[Mapping[Any, Any] | UnreadableRow, None, int | None]:
     """Rows after ``after`` one at a time, up to and including the first unreadable one;
     returns its sequence number (None when the log ends first)."""
     events = schema.events

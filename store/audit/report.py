@@ -44,8 +44,9 @@ class AuditReport:
     ``problems_total`` counts them all.  ``counts`` says how much was checked:
     ``events``, ``records``, ``calls``, ``chains`` (records whose chain hash was recomputed),
     ``leaves`` (cumulative hashes recomputed over a whole lineage), ``continuations``,
-    ``staged_keys``, ``projection_rows``, and ``unverifiable`` (records whose parent tokens
-    are not in the store, so their chain or cumulative hash could not be recomputed)."""
+    ``resumed_records`` (continued calls' records matched against their cut),
+    ``projection_rows``, and ``unverifiable`` (records whose parent tokens are not in the
+    store, so their chain or cumulative hash could not be recomputed)."""
 
     ok: bool
     problems: tuple[AuditProblem, ...]
