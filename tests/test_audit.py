@@ -18,12 +18,14 @@ from store import (
     AuditReport,
     CaptureAdmission,
     CommitCoords,
+    CorruptRecordError,
     GenerationCutContinuation,
     GenerationCutInventory,
     GenerationCutPrefix,
+    InvalidRecordError,
     RolloutTokenCapture,
-    StageEntry,
     StagedCallRecord,
+    StageEntry,
     Store,
     capture_key,
     compute_chain_hash,
@@ -32,7 +34,7 @@ from store import (
     to_json,
 )
 from store.columns import event_checksum
-from store.events import AdmissionBody, EventKind, RecordBody, decode_body, encode_body
+from store.events import AdmissionBody, EventKind, decode_body, encode_body
 
 
 @dataclass
@@ -250,8 +252,6 @@ def test_progress_is_called_monotonically_up_to_the_total(store: Store) -> None:
 
 
 def test_progress_must_be_callable(store: Store) -> None:
-    from store import InvalidRecordError
-
     with pytest.raises(InvalidRecordError, match="callable"):
         store.audit(progress=42)  # type: ignore[arg-type]
 
@@ -302,8 +302,6 @@ def test_audit_report_summary_names_each_problem(store: Store) -> None:
 
 
 def test_replay_reports_an_undecodable_event_and_refuses_to_repair_from_it(store: Store) -> None:
-    from store import CorruptRecordError
-
     for rollout_id in ("s1", "s2"):
         assert store.stage(make_record(rollout_id=rollout_id)).ok
     damage_token_ids(store, "s1/call-1")
@@ -314,6 +312,3 @@ def test_replay_reports_an_undecodable_event_and_refuses_to_repair_from_it(store
     with pytest.raises(CorruptRecordError, match="cannot repair"):
         store.replay(repair=True)
     assert store.fetch(["s2/call-1"])[0].rollout_id == "s2"
-
-
-_ = RecordBody  # the record body type the forged events decode to
