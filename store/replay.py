@@ -193,8 +193,10 @@ def live_tables(connection: sa.Connection) -> Tables:
     for table in schema.PROJECTION_TABLES:
         key_columns = _PRIMARY_KEYS[table.name]
         rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for row in connection.execute(sa.select(*table.c)):
-            values = {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in row._mapping.items()}
+        result = connection.execute(sa.select(*table.c))
+        names = list(result.keys())  # zipped with each row: far cheaper than a mapping per row
+        for row in result:
+            values = {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in zip(names, row, strict=True)}
             rows[tuple(values[k] for k in key_columns)] = values
         tables[table.name] = rows
     return tables

@@ -35,14 +35,19 @@ from store.audit.report import (
     AuditProblem,
     AuditReport,
 )
-from store.columns import decode_ids
-from store.digest import CUMULATIVE_DOMAIN, PackedColumns, compute_chain_hash, hash_token_columns
+from store.columns import decode_floats, decode_ids, decode_mask
+from store.digest import (
+    CUMULATIVE_DOMAIN,
+    PackedColumns,
+    compute_chain_hash,
+    hash_token_columns,
+    staging_digest_and_columns,
+)
 from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError, StoreError
 from store.events import RECORD_KINDS, AdmissionBody, EventKind, RecordBody
 from store.integrity import DECODE_ERRORS, verified_event
 from store.projections import CallState, Event, KeyState
-from store.queries import snapshot_from_event
 from store.records import GenerationCutContinuation, from_json
 from store.replay import (
     ReplayDifference,
@@ -75,7 +80,6 @@ class _Record:
     weight_version: int
     chain_hash: str
     cumulative_hash: str
-    content: bytes  # xxh3-128 of its three columns: matches a continued call's restored prefix
     parent_chain: str | None = None  # the chain hash it chained from, once known
     chain_known: bool = False
 
@@ -206,12 +210,9 @@ class _Audit:
         key = event.staging_key
         assert key is not None  # verified_event refuses a record event without its key
         self.counts["records"] += 1
-        try:
-            snapshot, _ = snapshot_from_event(event, row, verify_digest=True)
-        except CorruptRecordError as exc:
-            self.problem(DIGEST, str(exc), **_event_where(event))
+        columns = self._verified_columns(event, row)
+        if columns is None:
             return
-        columns = snapshot.columns
         record = _Record(
             seq=event.seq,
             kind=event.kind,
@@ -226,7 +227,6 @@ class _Audit:
             weight_version=body.weight_version,
             chain_hash=body.chain_hash,
             cumulative_hash=body.cumulative_hash,
-            content=_content(columns, 0, body.delta_len),
         )
         self.records_by_key[key] = record
         call = self.calls.setdefault((event.rollout_id, event.model_call_id), _Call())
@@ -240,6 +240,29 @@ class _Audit:
             call.completed = record
             if call.restored is not None:
                 self._check_resumed(record, columns, call.restored)
+
+    def _verified_columns(self, event: Event, row: Mapping[str, Any]) -> PackedColumns | None:
+        """The record's columns once its digest recomputes from them and its body (else a problem)."""
+        body: RecordBody = event.body
+        try:
+            columns = PackedColumns(
+                decode_ids(bytes(row["token_ids"])),
+                decode_mask(bytes(row["token_mask"])),
+                decode_floats(bytes(row["log_probs"])),
+            )
+            digest, columns = staging_digest_and_columns(
+                **_digest_fields(body),
+                token_ids_delta=columns.token_ids,
+                token_mask_delta=columns.token_mask,
+                generation_log_probs_delta=columns.log_probs,
+            )
+        except DECODE_ERRORS as exc:
+            self.problem(DIGEST, f"its record no longer validates: {exc}", **_event_where(event))
+            return None
+        if digest != body.digest:
+            self.problem(DIGEST, "its record does not match its staged digest", **_event_where(event))
+            return None
+        return columns
 
     def _check_chain(self, record: _Record, ids: Any, call: _Call) -> bool:
         """Recompute the record's chain hash from its parent's; False when the parent is not known yet."""
@@ -310,8 +333,13 @@ class _Audit:
         for reason in reasons:
             self.problem(CONTINUATION, reason, **where)
         if not reasons:
+            # The chunks' tokens are read again here (a continuation is rare; a content hash
+            # kept for every record would cost every record).
             chunks = [self.records_by_key[key] for key in continuation.staging_keys]
-            call.restored = [_Restored(chunk.staging_key, chunk.delta_len, chunk.content) for chunk in chunks]
+            call.restored = [
+                _Restored(chunk.staging_key, chunk.delta_len, _content(self._columns(chunk.seq), 0, chunk.delta_len))
+                for chunk in chunks
+            ]
 
     def _continuation_problems(
         self, event: Event, body: AdmissionBody, continuation: GenerationCutContinuation
@@ -414,6 +442,12 @@ class _Audit:
         lineage.reverse()
         return lineage
 
+    def _columns(self, seq: int) -> PackedColumns:
+        events = schema.events
+        query = sa.select(events.c.token_ids, events.c.token_mask, events.c.log_probs).where(events.c.seq == seq)
+        ids, mask, log_probs = self.connection.execute(query).one()
+        return PackedColumns(decode_ids(bytes(ids)), decode_mask(bytes(mask)), decode_floats(bytes(log_probs)))
+
     def _token_ids(self, seq: int) -> Any:
         events = schema.events
         data = self.connection.execute(sa.select(events.c.token_ids).where(events.c.seq == seq)).scalar_one()
@@ -452,8 +486,10 @@ class _Audit:
     def _live_rows(self, table: sa.Table) -> Iterator[dict[str, Any]]:
         query = sa.select(*table.c).execution_options(yield_per=_LIVE_BATCH)
         try:
-            for row in self.connection.execute(query):
-                yield {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in row._mapping.items()}
+            result = self.connection.execute(query)
+            names = list(result.keys())
+            for row in result:
+                yield {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in zip(names, row, strict=True)}
         except driver_errors(self.connection.engine) as exc:
             self.problem(PROJECTION, f"the {table.name} table cannot be read to its end: {exc}")
 
@@ -537,4 +573,24 @@ def _event_where(event: Event) -> dict[str, Any]:
         "staging_key": event.staging_key,
         "rollout_id": event.rollout_id,
         "model_call_id": event.model_call_id,
+    }
+
+
+def _digest_fields(body: RecordBody) -> dict[str, Any]:
+    """The staged digest's scalar inputs, as the record's event body keeps them."""
+    return {
+        "schema_version": body.schema_version,
+        "digest_version": 2,
+        "extras_digest_version": 1,
+        "rollout_id": body.rollout_id,
+        "model_call_id": body.model_call_id,
+        "parent_call_id": body.parent_call_id,
+        "mode": body.mode,
+        "prev_len": body.prev_len,
+        "delta_len": body.delta_len,
+        "cum_len": body.cum_len,
+        "weight_version": body.weight_version,
+        "extras_digest": body.extras_digest,
+        "chain_hash": body.chain_hash,
+        "cumulative_hash": body.cumulative_hash,
     }
