@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Generator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,23 @@ class ReplayReport:
 
 
 Tables = dict[str, dict[tuple[Any, ...], dict[str, Any]]]
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a pass over the whole log.
+
+    The pass builds many small acyclic objects (freed by reference counting) while its
+    projection dictionaries grow; the collector would walk those dictionaries again and
+    again for nothing (a quarter of a replay's time).  It is re-enabled on the way out.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -216,7 +235,7 @@ def compare(live: Tables, rebuilt: Tables) -> list[ReplayDifference]:
 def replay(engine: Engine, backend: Backend, *, repair: bool = False) -> ReplayReport:
     """Rebuild under the write lock (a consistent view); optionally replace the live rows."""
     try:
-        with engine.connect() as connection:
+        with engine.connect() as connection, paused_gc():
             connection.exec_driver_sql(backend.begin_write_sql)
             undecodable: list[tuple[int, str]] = []
             count, rebuilt = rebuild(connection, undecodable)

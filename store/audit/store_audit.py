@@ -54,6 +54,7 @@ from store.replay import (
     UnreadableRow,
     fold_event,
     key_row,
+    paused_gc,
     receipt_row,
     stored_rows,
 )
@@ -107,7 +108,7 @@ class _Call:
 def audit_store(engine: Engine, backend: Backend, progress: Progress | None = None) -> AuditReport:
     """Audit the whole store in one read transaction (a consistent snapshot)."""
     try:
-        with engine.connect() as connection:
+        with engine.connect() as connection, paused_gc():
             _begin_snapshot(connection, backend)
             report = _Audit(connection, progress).run()
             connection.rollback()
