@@ -208,6 +208,33 @@ def test_the_audit_finds_every_planted_fault_in_one_run_and_the_rest_still_serve
         store, admission["seq"], body=encode_body(msgspec.structs.replace(body, generation_cut=to_json(spliced)))
     )
     planted["continuation"] = (None, admission["seq"])
+    # A continued call whose record resumed other tokens than the (real) cut its admission names.
+    attempt2 = capture_key("r0", 2)
+    store.record_admission(
+        attempt2,
+        "c1",
+        AdmissionBody(
+            schema_version=2,
+            parent_call_id="c0",
+            mode="token_in",
+            prev_len=3,
+            parent_chain_hash=scenario.root.chain_hash,
+            weight_version=5,
+            generation_cut=body.generation_cut,
+            continues=body.continues,
+        ),
+    )
+    resumed_other = make_record(
+        rollout_id=attempt2,
+        model_call_id="c1",
+        parent_call_id="c0",
+        parent_chain_hash=scenario.root.chain_hash,
+        prefix=[10, 11, 12],
+        prompt=[20, 21],
+        generated=[39, 38, 37],
+    )
+    assert store.stage(resumed_other).ok
+    spliced_seq = event_of(store, "staging_key = :k", k=f"{attempt2}/c1")["seq"]
     # A projection row edited by hand.
     execute(store, "UPDATE calls SET generated_tokens = 999 WHERE rollout_id = 'p0' AND model_call_id = 'c1'")
     planted["projection"] = (None, None)
@@ -228,8 +255,10 @@ def test_the_audit_finds_every_planted_fault_in_one_run_and_the_rest_still_serve
     assert (projection.rollout_id, projection.model_call_id) == ("p0", "c1") and "generated_tokens" in projection.reason
     assert "the record of key 'p2/call-1'" in by_code["staged_key"][0].reason
     assert "p2" in by_code["continuation"][0].reason
+    [resumed] = [p for p in by_code["continuation"] if p.seq == spliced_seq]
+    assert "does not start with the cut it continued" in resumed.reason and resumed.staging_key == f"{attempt2}/c1"
     # Nothing unplanted is reported, and everything undamaged still serves.
-    faulty = {"q1", "q2", "q3", "p1", "b0", capture_key("r0", 1), "p0"}
+    faulty = {"q1", "q2", "q3", "p1", "b0", capture_key("r0", 1), attempt2, "p0"}
     assert all(p.rollout_id in faulty or p.staging_key in ("p1/call-1",) for p in report.problems), report.summary()
     keys = ["r0/c0", "p0/c0", "p2/call-1", "q4/call-1", *scenario.cut_keys]
     assert scenario.continued.staging_key is not None
