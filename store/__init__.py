@@ -5,6 +5,7 @@ the tokens of still-decoding calls so a replacement call can continue from a pro
 prefix.  Everything is an event in one append-only log; tables are projections of it.
 """
 
+from store.audit import AuditProblem, AuditReport
 from store.capture import ActiveCall, CaptureAdapter, Continuation, RolloutTokenCapture
 from store.columns import FloatColumn, TokenIds
 from store.cut_records import (
@@ -102,6 +103,8 @@ __all__ = [
     "ASSISTANT_FINGERPRINT_VERSION",
     "ActiveCall",
     "AdmissionTypeError",
+    "AuditProblem",
+    "AuditReport",
     "CallInfo",
     "CallRecord",
     "CaptureAdapter",

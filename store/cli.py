@@ -93,6 +93,7 @@ def _replay(args: argparse.Namespace) -> dict[str, Any]:
         "differences": [str(d) for d in report.differences],
         "differences_total": report.differences_total,
         "repaired": report.repaired,
+        "undecodable": [seq for seq, _ in report.undecodable],
         "summary": report.summary(),
     }
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from store import arguments
 from store.engine import create_store_engine, migrate, resolve_url
@@ -26,6 +27,9 @@ from store.projections import RECEIPT_STREAM, generated_spans
 from store.queries import CallInfo, Reader, StoredChunk, StoredCompletion, VersionSpan
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
+
+if TYPE_CHECKING:
+    from store.audit import AuditReport
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,21 @@ class Store:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""
         self._ready()
         return replay(self._engine, self._backend, repair=arguments.flag("repair", repair))
+
+    def audit(self, *, progress: Callable[[int, int], object] | None = None) -> AuditReport:
+        """Check the whole store in one streaming pass and report every problem found.
+
+        Checksums and digests of every event, every call's chain (parent lengths, chain and
+        cumulative hashes), every continuation, that staged keys point at their own records,
+        and that the projections equal a replay.  ``progress(done, total)`` is called with
+        events done as the pass goes on.
+        """
+        self._ready()
+        if progress is not None and not callable(progress):
+            raise InvalidRecordError(f"audit() progress must be callable, got {type(progress).__name__}")
+        from store.audit import audit_store  # the audit builds on the store, never the other way
+
+        return audit_store(self._engine, self._backend, progress)
 
     # --- events the worker capture appends ----------------------------------------------------
 

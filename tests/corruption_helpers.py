@@ -98,6 +98,7 @@ class Outcome:
     # (not the row) can do it without any read noticing; only SQLite's integrity_check sees that.
     missing: list[str] = field(default_factory=list)
     replay_differs: bool = False
+    replay_report: ReplayReport | None = None
 
     def read(self, name: str, action: Callable[[], Any], check: Callable[[Any], str | None]) -> None:
         try:
@@ -110,6 +111,7 @@ class Outcome:
             return
         if isinstance(value, ReplayReport):
             self.replay_differs = not value.ok
+            self.replay_report = value
         problem = check(value)
         if problem is not None:
             self.violations.append(f"{name}: {problem}")
@@ -301,13 +303,19 @@ def judge_event_damage(outcome: Outcome, row: dict[str, Any], damage: Damage, ex
     if damage.column == "seq":
         if not outcome.replay_differs:
             problems.append("replay did not report the moved event")
-    elif not outcome.corrupt("replay"):
-        problems.append(f"replay did not refuse the damaged event: {outcome.detected.get('replay')!r}")
-    elif f"event {row['seq']}" not in str(outcome.detected["replay"]) and "not UTF-8" not in str(
-        outcome.detected["replay"]
-    ):
-        problems.append(f"replay did not name event {row['seq']}: {outcome.detected['replay']}")
+    else:
+        problems += _replay_names_the_damaged_event(outcome, row["seq"])
     return problems
+
+
+def _replay_names_the_damaged_event(outcome: Outcome, seq: int) -> list[str]:
+    """Replay reports the damaged event as undecodable (never a healthy store)."""
+    report = outcome.replay_report
+    if report is None:
+        return [f"replay gave no report: {outcome.detected.get('replay')!r}"]
+    if report.ok or seq not in [undecodable for undecodable, _ in report.undecodable]:
+        return [f"replay did not name event {seq} as undecodable: {report.summary()}"]
+    return []
 
 
 # --- random byte flips in a SQLite file ---------------------------------------------------------

@@ -8,6 +8,7 @@ repeated inventories, and forks.  After every step:
 
 * every acknowledged key fetches and verifies as *its* record (rollout, call, digest, tokens);
 * the projections equal a replay of the log;
+* the store-wide audit finds nothing (checksums, digests, chains, continuations, keys);
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
 * sequence numbers only grow.
@@ -398,6 +399,15 @@ class StoreMachine(RuleBasedStateMachine):
             weight_version=1,
         )
 
+    @rule()
+    def audit(self) -> None:
+        """An operator's audit, with a progress bar: it reaches the whole log and finds nothing."""
+        seen: list[tuple[int, int]] = []
+        report = self.store.audit(progress=lambda done, total: seen.append((done, total)))
+        assert report.ok, report.summary()
+        assert seen[-1] == (report.counts["events"], report.counts["events"])
+        assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+
     # --- invariants ----------------------------------------------------------------------------
 
     @invariant()
@@ -428,6 +438,11 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def projections_equal_a_replay(self) -> None:
         report = self.store.replay()
+        assert report.ok, report.summary()
+
+    @invariant()
+    def the_audit_is_ok(self) -> None:
+        report = self.store.audit()
         assert report.ok, report.summary()
 
     @invariant()

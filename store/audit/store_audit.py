@@ -1,0 +1,597 @@
+"""The store-wide audit: one streaming pass over the log by sequence number.
+
+It keeps small per-call and per-record state (hashes, lengths, a content hash), never the
+token columns of a record it has passed: checksums, digests, chains, continuations, then
+the staged keys and the other projections against the fold of the same pass.  Every fault
+becomes an ``AuditProblem`` and the pass goes on.  Only two things are read again after the
+pass: a record whose parent only appears later in the log (its chain) and, for each leaf of
+a lineage, its ancestors' token ids one record at a time (the cumulative hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+import xxhash
+from sqlalchemy.engine import Engine
+
+from store import schema
+from store.audit.report import (
+    CHAIN,
+    CHECKSUM,
+    CONTINUATION,
+    CUMULATIVE,
+    DIGEST,
+    MAX_PROBLEMS,
+    PARENT_LENGTH,
+    PROJECTION,
+    STAGED_KEY,
+    UNDECODABLE,
+    AuditProblem,
+    AuditReport,
+)
+from store.columns import decode_floats, decode_ids, decode_mask
+from store.digest import (
+    CUMULATIVE_DOMAIN,
+    PackedColumns,
+    compute_chain_hash,
+    hash_token_columns,
+    staging_digest_and_columns,
+)
+from store.engine import Backend, driver_errors, storage_error
+from store.errors import CorruptRecordError, StoreError
+from store.events import RECORD_KINDS, AdmissionBody, EventKind, RecordBody
+from store.integrity import DECODE_ERRORS, verified_event
+from store.projections import CallState, Event, KeyState
+from store.records import GenerationCutContinuation, from_json
+from store.replay import (
+    ReplayDifference,
+    UnreadableRow,
+    fold_event,
+    key_row,
+    paused_gc,
+    receipt_row,
+    stored_rows,
+)
+
+Progress = Callable[[int, int], object]
+_PROGRESS_EVERY = 256
+_LIVE_BATCH = 1000
+
+
+@dataclass(slots=True)
+class _Record:
+    """What the audit keeps of one record event: hashes and lengths, never its tokens."""
+
+    seq: int
+    kind: EventKind
+    rollout_id: str
+    model_call_id: str
+    staging_key: str
+    parent_call_id: str | None
+    prev_len: int
+    delta_len: int
+    cum_len: int
+    generated: int
+    weight_version: int
+    chain_hash: str
+    cumulative_hash: str
+    parent_chain: str | None = None  # the chain hash it chained from, once known
+    chain_known: bool = False
+
+
+@dataclass(slots=True)
+class _Restored:
+    """One chunk a continued call restored: its key, length and content hash."""
+
+    staging_key: str
+    length: int
+    content: bytes
+
+
+@dataclass(slots=True)
+class _Call:
+    """Per-call state: the latest admission's lineage and continuation, the terminal record."""
+
+    admitted: bool = False
+    parent_chain_hash: str | None = None
+    continues: tuple[str, str] | None = None
+    restored: list[_Restored] | None = None
+    completed: _Record | None = None
+
+
+def audit_store(engine: Engine, backend: Backend, progress: Progress | None = None) -> AuditReport:
+    """Audit the whole store in one read transaction (a consistent snapshot)."""
+    try:
+        with engine.connect() as connection, paused_gc():
+            _begin_snapshot(connection, backend)
+            report = _Audit(connection, progress).run()
+            connection.rollback()
+    except driver_errors(engine) as exc:
+        raise storage_error("auditing the store", exc) from exc
+    return report
+
+
+def _begin_snapshot(connection: sa.Connection, backend: Backend) -> None:
+    if backend.name == "postgresql":
+        connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+    else:
+        connection.exec_driver_sql("BEGIN")  # a deferred read transaction: WAL gives a snapshot
+
+
+class _Audit:
+    def __init__(self, connection: sa.Connection, progress: Progress | None) -> None:
+        self.connection = connection
+        self.progress = progress
+        self.problems: list[AuditProblem] = []
+        self.problems_total = 0
+        self.counts: Counter[str] = Counter()
+        self.calls: dict[tuple[str, str], _Call] = {}
+        self.records_by_key: dict[str, _Record] = {}  # every key ever staged: its latest record
+        self.by_chain: dict[str, _Record] = {}  # terminal records by their chain hash
+        self.chained_from: set[str] = set()
+        self.deferred: list[_Record] = []  # chain checks waiting for a parent later in the log
+        self.unreadable_streams: set[tuple[str, str]] = set()
+        self.unreadable_keys: set[str] = set()
+        # The projections rebuilt by the same folds the write path runs.
+        self.rebuilt_calls: dict[tuple[str, str], CallState] = {}
+        self.rebuilt_keys: dict[str, KeyState] = {}
+        self.rebuilt_receipts: dict[tuple[str, str], int] = {}
+
+    # --- the pass ---------------------------------------------------------------------------
+
+    def run(self) -> AuditReport:
+        total = int(self.connection.execute(sa.select(sa.func.count()).select_from(schema.events)).scalar_one())
+        done = 0
+        self._report_progress(0, total)
+        for row in stored_rows(self.connection):
+            self._event(row)
+            done += 1
+            if done % _PROGRESS_EVERY == 0:
+                self._report_progress(done, total)
+        self.counts["events"] = done
+        self._deferred_chains()
+        self._leaves()
+        self._projections()
+        if done % _PROGRESS_EVERY:
+            self._report_progress(done, total)
+        return AuditReport(
+            ok=self.problems_total == 0,
+            problems=tuple(self.problems),
+            problems_total=self.problems_total,
+            counts=dict(self.counts),
+        )
+
+    def _report_progress(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, max(total, done))
+
+    def problem(self, code: str, reason: str, **where: Any) -> None:
+        self.problems_total += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(AuditProblem(code, reason, **where))
+
+    def _event(self, row: Mapping[str, Any] | UnreadableRow) -> None:
+        if isinstance(row, UnreadableRow):
+            self.problem(UNDECODABLE, row.reason, seq=row.seq)
+            return
+        try:
+            event = verified_event(row)
+        except CorruptRecordError as exc:
+            self._unreadable(row, exc)
+            return
+        fold_event(event, self.rebuilt_calls, self.rebuilt_keys, self.rebuilt_receipts)
+        if event.kind is EventKind.CALL_ADMITTED:
+            self._admission(event)
+        elif event.kind in RECORD_KINDS:
+            self._record(event, row)
+
+    def _unreadable(self, row: Mapping[str, Any], exc: CorruptRecordError) -> None:
+        """A damaged event: named, and its call and key left out of the projection check
+        (they cannot be rebuilt without it; the damage is this one problem)."""
+        rollout_id, model_call_id, key = row.get("rollout_id"), row.get("model_call_id"), row.get("staging_key")
+        stream = (rollout_id, model_call_id) if isinstance(rollout_id, str) and isinstance(model_call_id, str) else None
+        if stream is not None:
+            self.unreadable_streams.add(stream)
+        if isinstance(key, str):
+            self.unreadable_keys.add(key)
+        code = CHECKSUM if "checksum" in str(exc) or "cannot hold" in str(exc) else UNDECODABLE
+        where = {"rollout_id": stream[0], "model_call_id": stream[1]} if stream else {}
+        self.problem(code, str(exc), seq=row.get("seq"), staging_key=key if isinstance(key, str) else None, **where)
+
+    # --- records: digest, chain, continuation -------------------------------------------------
+
+    def _record(self, event: Event, row: Mapping[str, Any]) -> None:
+        body: RecordBody = event.body
+        key = event.staging_key
+        assert key is not None  # verified_event refuses a record event without its key
+        self.counts["records"] += 1
+        columns = self._verified_columns(event, row)
+        if columns is None:
+            return
+        record = _Record(
+            seq=event.seq,
+            kind=event.kind,
+            rollout_id=event.rollout_id,
+            model_call_id=event.model_call_id,
+            staging_key=key,
+            parent_call_id=body.parent_call_id,
+            prev_len=body.prev_len,
+            delta_len=body.delta_len,
+            cum_len=body.cum_len,
+            generated=sum(end - start for start, end, _ in body.spans),
+            weight_version=body.weight_version,
+            chain_hash=body.chain_hash,
+            cumulative_hash=body.cumulative_hash,
+        )
+        self.records_by_key[key] = record
+        call = self.calls.setdefault((event.rollout_id, event.model_call_id), _Call())
+        if not self._check_chain(record, columns.token_ids, call):
+            self.deferred.append(record)
+        if record.parent_call_id is None and hash_token_columns(columns.token_ids) != record.cumulative_hash:
+            reason = "the cumulative hash of a root record is not the hash of its tokens"
+            self.problem(CUMULATIVE, reason, **_where(record))
+        if event.kind is EventKind.CALL_COMPLETED:
+            self.by_chain.setdefault(record.chain_hash, record)
+            call.completed = record
+            if call.restored is not None:
+                self._check_resumed(record, columns, call.restored)
+
+    def _verified_columns(self, event: Event, row: Mapping[str, Any]) -> PackedColumns | None:
+        """The record's columns once its digest recomputes from them and its body (else a problem)."""
+        body: RecordBody = event.body
+        try:
+            columns = PackedColumns(
+                decode_ids(bytes(row["token_ids"])),
+                decode_mask(bytes(row["token_mask"])),
+                decode_floats(bytes(row["log_probs"])),
+            )
+            digest, columns = staging_digest_and_columns(
+                **_digest_fields(body),
+                token_ids_delta=columns.token_ids,
+                token_mask_delta=columns.token_mask,
+                generation_log_probs_delta=columns.log_probs,
+            )
+        except DECODE_ERRORS as exc:
+            self.problem(DIGEST, f"its record no longer validates: {exc}", **_event_where(event))
+            return None
+        if digest != body.digest:
+            self.problem(DIGEST, "its record does not match its staged digest", **_event_where(event))
+            return None
+        return columns
+
+    def _check_chain(self, record: _Record, ids: Any, call: _Call) -> bool:
+        """Recompute the record's chain hash from its parent's; False when the parent is not known yet."""
+        known, parent_chain = self._parent_chain(record, call)
+        if not known:
+            return False
+        record.parent_chain, record.chain_known = parent_chain, True
+        if parent_chain is not None:
+            self.chained_from.add(parent_chain)
+        self.counts["chains"] += 1
+        if compute_chain_hash(parent_chain, ids) != record.chain_hash:
+            parent = "no parent" if parent_chain is None else f"parent chain {parent_chain[:16]}..."
+            self.problem(CHAIN, f"its chain hash does not recompute from {parent} and its tokens", **_where(record))
+        return True
+
+    def _parent_chain(self, record: _Record, call: _Call) -> tuple[bool, str | None]:
+        if record.parent_call_id is None:
+            return True, None
+        parent = self.calls.get((record.rollout_id, record.parent_call_id))
+        if parent is not None and parent.completed is not None:
+            if parent.completed.cum_len != record.prev_len:
+                self.problem(
+                    PARENT_LENGTH,
+                    f"prev_len {record.prev_len} is not the cum_len {parent.completed.cum_len} "
+                    f"of its parent {record.parent_call_id!r} (event {parent.completed.seq})",
+                    **_where(record),
+                )
+            return True, parent.completed.chain_hash
+        if call.admitted and call.parent_chain_hash is not None:
+            return True, call.parent_chain_hash  # a parent of another attempt, bound by its chain hash
+        return False, None
+
+    def _check_resumed(self, record: _Record, columns: PackedColumns, restored: list[_Restored]) -> None:
+        """A continued call's terminal record must start with the chunks of the cut it resumed."""
+        self.counts["resumed_records"] += 1
+        offset = 0
+        for index, chunk in enumerate(restored):
+            end = offset + chunk.length
+            if end > record.delta_len or _content(columns, offset, end) != chunk.content:
+                self.problem(
+                    CONTINUATION,
+                    f"its record does not start with the cut it continued: positions [{offset}, {end}) "
+                    f"are not chunk {index} ({chunk.staging_key!r})",
+                    **_where(record),
+                )
+                return
+            offset = end
+
+    # --- admissions: continuations ----------------------------------------------------------------
+
+    def _admission(self, event: Event) -> None:
+        body: AdmissionBody = event.body
+        call = self.calls.setdefault((event.rollout_id, event.model_call_id), _Call())
+        call.admitted, call.parent_chain_hash, call.continues = True, body.parent_chain_hash, body.continues
+        call.restored = None
+        if body.generation_cut is None and body.continues is None:
+            return
+        self.counts["continuations"] += 1
+        where = {"seq": event.seq, "rollout_id": event.rollout_id, "model_call_id": event.model_call_id}
+        try:
+            if body.generation_cut is None:
+                raise CorruptRecordError("it continues a call but carries no continuation")
+            continuation = from_json(body.generation_cut, GenerationCutContinuation)
+        except (StoreError, *DECODE_ERRORS) as exc:
+            self.problem(CONTINUATION, f"its continuation cannot be read: {exc}", **where)
+            return
+        reasons = self._continuation_problems(event, body, continuation)
+        for reason in reasons:
+            self.problem(CONTINUATION, reason, **where)
+        if not reasons:
+            # The chunks' tokens are read again here (a continuation is rare; a content hash
+            # kept for every record would cost every record).
+            chunks = [self.records_by_key[key] for key in continuation.staging_keys]
+            call.restored = [
+                _Restored(chunk.staging_key, chunk.delta_len, _content(self._columns(chunk.seq), 0, chunk.delta_len))
+                for chunk in chunks
+            ]
+
+    def _continuation_problems(
+        self, event: Event, body: AdmissionBody, continuation: GenerationCutContinuation
+    ) -> list[str]:
+        """Whether the cut it names was staged earlier, by an earlier attempt of the call, as a cut."""
+        source = (continuation.source_capture_key, continuation.source_model_call_id)
+        reasons = []
+        if body.continues != source:
+            reasons.append(f"it says it continues {body.continues}, its continuation names {source}")
+        if source[0] == event.rollout_id:
+            reasons.append(f"it continues a cut of its own attempt {source[0]!r}, not an earlier one")
+        owners = self._continued_calls(source)
+        chunks: list[_Record] = []
+        for index, key in enumerate(continuation.staging_keys):
+            chunk = self.records_by_key.get(key)
+            if chunk is None:
+                reasons.append(f"the cut names key {key!r}, which no earlier event staged")
+                continue
+            owner = (chunk.rollout_id, chunk.model_call_id)
+            if owner not in owners:
+                reasons.append(f"the cut's key {key!r} holds a record of {owner[0]}/{owner[1]}, not of the cut call")
+            if not _chunk_kind_fits(chunk.kind, index, len(continuation.staging_keys)):
+                reasons.append(f"the cut's key {key!r} holds a {chunk.kind.value} record, wrong at place {index}")
+            chunks.append(chunk)
+        if len(chunks) < len(continuation.staging_keys):
+            return reasons
+        generated = sum(chunk.generated for chunk in chunks)
+        if generated != continuation.generation_token_count:
+            named = continuation.generation_token_count
+            reasons.append(f"the cut's chunks hold {generated} generated tokens, it names {named}")
+        versions = [chunk.weight_version for chunk in chunks]
+        if versions != sorted(versions):
+            reasons.append(f"the cut's chunk versions {versions} decrease")
+        first = chunks[0]
+        if (first.parent_call_id, first.prev_len) != (body.parent_call_id, body.prev_len):
+            reasons.append(
+                f"the cut was taken after {first.parent_call_id!r} at {first.prev_len}, "
+                f"the call continues after {body.parent_call_id!r} at {body.prev_len}"
+            )
+        elif first.chain_known and first.parent_chain != body.parent_chain_hash:
+            reasons.append("the cut chained from other parent tokens than the call continues")
+        return reasons
+
+    def _continued_calls(self, source: tuple[str, str]) -> set[tuple[str, str]]:
+        """The cut call and the calls it continued, oldest last (a chunk may be a record of any)."""
+        owners = {source}
+        current = self.calls.get(source)
+        while current is not None and current.continues is not None and current.continues not in owners:
+            owners.add(current.continues)
+            current = self.calls.get(current.continues)
+        return owners
+
+    # --- after the pass ------------------------------------------------------------------------
+
+    def _deferred_chains(self) -> None:
+        """Records whose parent was staged after them: checked now, reading their ids again."""
+        for record in self.deferred:
+            call = self.calls[(record.rollout_id, record.model_call_id)]
+            known, _ = self._parent_chain(record, call)
+            if not known:
+                self.counts["unverifiable"] += 1
+                continue
+            self._check_chain(record, self._token_ids(record.seq), call)
+
+    def _leaves(self) -> None:
+        """The cumulative hash of each leaf (a terminal record nothing chained from), over its lineage."""
+        for record in self.by_chain.values():
+            if record.chain_hash in self.chained_from or record.parent_call_id is None:
+                continue  # not a leaf, or a root (checked in the pass)
+            lineage = self._lineage(record)
+            if lineage is None:
+                self.counts["unverifiable"] += 1
+                continue
+            self.counts["leaves"] += 1
+            total = sum(ancestor.delta_len for ancestor in lineage)
+            if total != record.cum_len:
+                reason = f"cum_len {record.cum_len} is not the {total} tokens of its lineage"
+                self.problem(CUMULATIVE, reason, **_where(record))
+                continue
+            hasher = hashlib.sha256(CUMULATIVE_DOMAIN)
+            hasher.update(total.to_bytes(8, "big"))
+            for ancestor in lineage:
+                hasher.update(self._token_ids(ancestor.seq).big_endian().data)
+            if hasher.hexdigest() != record.cumulative_hash:
+                reason = "its cumulative hash is not the hash of its lineage's tokens"
+                self.problem(CUMULATIVE, reason, **_where(record))
+
+    def _lineage(self, leaf: _Record) -> list[_Record] | None:
+        """Root first; None when a link is unknown (its parent's tokens are not in the store)."""
+        lineage = [leaf]
+        current = leaf
+        while current.parent_call_id is not None:
+            if not current.chain_known or current.parent_chain is None:
+                return None
+            parent = self.by_chain.get(current.parent_chain)
+            if parent is None or len(lineage) > len(self.by_chain):
+                return None
+            lineage.append(parent)
+            current = parent
+        lineage.reverse()
+        return lineage
+
+    def _columns(self, seq: int) -> PackedColumns:
+        events = schema.events
+        query = sa.select(events.c.token_ids, events.c.token_mask, events.c.log_probs).where(events.c.seq == seq)
+        ids, mask, log_probs = self.connection.execute(query).one()
+        return PackedColumns(decode_ids(bytes(ids)), decode_mask(bytes(mask)), decode_floats(bytes(log_probs)))
+
+    def _token_ids(self, seq: int) -> Any:
+        events = schema.events
+        data = self.connection.execute(sa.select(events.c.token_ids).where(events.c.seq == seq)).scalar_one()
+        return decode_ids(bytes(data))  # the row passed its checksum in this same snapshot
+
+    # --- projections against the fold -----------------------------------------------------------
+
+    def _projections(self) -> None:
+        rebuilt_keys = {(key,): key_row(key, state) for key, state in self.rebuilt_keys.items()}
+        self.rebuilt_keys.clear()
+        self._compare(schema.staged_keys, ("staging_key",), rebuilt_keys, self._key_problem)
+        rebuilt_calls = {stream: state.to_row() for stream, state in self.rebuilt_calls.items()}
+        self.rebuilt_calls.clear()
+        self._compare(schema.calls, ("rollout_id", "model_call_id"), rebuilt_calls, self._row_problem)
+        receipts = {ident: receipt_row(ident, seq) for ident, seq in self.rebuilt_receipts.items()}
+        self._compare(schema.cut_receipts, ("checkpoint_id", "inventory_digest"), receipts, self._row_problem)
+
+    def _compare(
+        self,
+        table: sa.Table,
+        key_columns: tuple[str, ...],
+        rebuilt: dict[tuple[Any, ...], dict[str, Any]],
+        report: Callable[[ReplayDifference], None],
+    ) -> None:
+        """Stream the live table against the rebuilt rows (each rebuilt row is dropped once matched)."""
+        for values in self._live_rows(table):
+            key = tuple(values[name] for name in key_columns)
+            self.counts["projection_rows"] += 1
+            expected = rebuilt.pop(key, None)
+            if expected != values and not self._skipped(table, key):
+                report(ReplayDifference(table.name, key, values, expected))
+        for key, expected in sorted(rebuilt.items(), key=lambda item: repr(item[0])):
+            if not self._skipped(table, key):
+                report(ReplayDifference(table.name, key, None, expected))
+
+    def _live_rows(self, table: sa.Table) -> Iterator[dict[str, Any]]:
+        query = sa.select(*table.c).execution_options(yield_per=_LIVE_BATCH)
+        try:
+            result = self.connection.execute(query)
+            names = list(result.keys())
+            for row in result:
+                yield {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in zip(names, row, strict=True)}
+        except driver_errors(self.connection.engine) as exc:
+            self.problem(PROJECTION, f"the {table.name} table cannot be read to its end: {exc}")
+
+    def _skipped(self, table: sa.Table, key: tuple[Any, ...]) -> bool:
+        """Rows of a call or key whose event is damaged (already one problem of its own)."""
+        if table is schema.staged_keys:
+            return key[0] in self.unreadable_keys
+        return table is schema.calls and key in self.unreadable_streams
+
+    def _key_problem(self, difference: ReplayDifference) -> None:
+        (key,) = difference.key
+        live, rebuilt = difference.live, difference.rebuilt
+        if self._key_names_another_record(key, live):
+            return
+        if live is None:
+            assert rebuilt is not None
+            reason = f"the log stages this key at event {rebuilt['event_seq']}, but staged_keys has no row for it"
+        elif rebuilt is None:
+            reason = f"staged_keys names event {live['event_seq']}, but no live record of the log is under this key"
+        else:
+            reason = str(difference)
+        seq = (live or rebuilt or {}).get("event_seq")
+        self.problem(STAGED_KEY, reason, seq=seq, staging_key=key)
+
+    def _key_names_another_record(self, key: str, live: dict[str, Any] | None) -> bool:
+        """A live row pointing at an event that is not this key's record: said exactly so."""
+        if live is None:
+            return False
+        events = schema.events
+        query = sa.select(events.c.staging_key, events.c.rollout_id, events.c.model_call_id).where(
+            events.c.seq == live["event_seq"]
+        )
+        owner = self.connection.execute(query).first()
+        if owner is None or owner.staging_key is None or owner.staging_key == key:
+            return False
+        reason = (
+            f"it points at event {live['event_seq']}, the record of key {owner.staging_key!r} "
+            f"({owner.rollout_id}/{owner.model_call_id}), not at its own record"
+        )
+        self.problem(STAGED_KEY, reason, seq=live["event_seq"], staging_key=key)
+        return True
+
+    def _row_problem(self, difference: ReplayDifference) -> None:
+        key = difference.key
+        where: dict[str, Any] = {}
+        if difference.table == "calls":
+            where = {"rollout_id": key[0], "model_call_id": key[1]}
+        row = difference.live or difference.rebuilt or {}
+        seq = row.get("last_seq", row.get("event_seq"))
+        self.problem(PROJECTION, f"does not equal a replay of the log: {difference}", seq=seq, **where)
+
+
+def _chunk_kind_fits(kind: EventKind, index: int, count: int) -> bool:
+    """First the cumulative prefix (or a finished call's terminal record, alone), then chunks."""
+    if index == 0:
+        return kind is EventKind.PREFIX_STAGED or (kind is EventKind.CALL_COMPLETED and count == 1)
+    return kind is EventKind.CHUNK_STAGED
+
+
+def _content(columns: PackedColumns, start: int, end: int) -> bytes:
+    """xxh3-128 of positions [start, end) of the three columns (a fast identity, not a digest)."""
+    hasher = xxhash.xxh3_128()
+    hasher.update(columns.token_ids.big_endian()[start:end].data)
+    hasher.update(columns.token_mask.big_endian_f32()[start:end].data)
+    hasher.update(columns.log_probs.big_endian_f32()[start:end].data)
+    return hasher.digest()
+
+
+def _where(record: _Record) -> dict[str, Any]:
+    return {
+        "seq": record.seq,
+        "staging_key": record.staging_key,
+        "rollout_id": record.rollout_id,
+        "model_call_id": record.model_call_id,
+    }
+
+
+def _event_where(event: Event) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "staging_key": event.staging_key,
+        "rollout_id": event.rollout_id,
+        "model_call_id": event.model_call_id,
+    }
+
+
+def _digest_fields(body: RecordBody) -> dict[str, Any]:
+    """The staged digest's scalar inputs, as the record's event body keeps them."""
+    return {
+        "schema_version": body.schema_version,
+        "digest_version": 2,
+        "extras_digest_version": 1,
+        "rollout_id": body.rollout_id,
+        "model_call_id": body.model_call_id,
+        "parent_call_id": body.parent_call_id,
+        "mode": body.mode,
+        "prev_len": body.prev_len,
+        "delta_len": body.delta_len,
+        "cum_len": body.cum_len,
+        "weight_version": body.weight_version,
+        "extras_digest": body.extras_digest,
+        "chain_hash": body.chain_hash,
+        "cumulative_hash": body.cumulative_hash,
+    }

@@ -1,0 +1,205 @@
+"""Benchmark: the store-wide audit and replay over a store of N records of 4,096 tokens.
+
+(a) ``Store.audit()`` vs a raw ``sqlite3`` read of the same stored rows plus one SHA-256
+    pass over each record's digest preimage (rebuilt from the stored bytes).  Target: <= 2x.
+(b) ``Store.replay()`` vs a raw ``sqlite3`` read of the same rows.  Target: <= 2x.
+
+The machine is shared and noisy, so each round runs the thing and its baseline back to back
+(alternating which goes first), each on a fresh connection; the per-round ratios are
+reported as median, min and max, and the target is judged on the median.
+
+    .venv/bin/python tools/bench_audit.py [--records N] [--rounds R] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import statistics
+import struct
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import Report, Target, fmt_seconds, make_columns, parser, temp_dir
+
+from store import StagedCallRecord, StageEntry, compute_chain_hash, hash_token_ids, open_store
+from store.digest import EXTRAS_DIGEST_VERSION, STAGING_CALL_DOMAIN, STAGING_DIGEST_VERSION
+
+TOKENS = 4096
+TARGET_RATIO = 2.0
+_U64 = struct.Struct(">Q").pack
+
+
+def build_store(path: str, records: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    with open_store(path, durability="normal") as store:
+        batch: list[StageEntry] = []
+        for index in range(records):
+            columns = make_columns(rng, TOKENS)
+            ids = columns.ids
+            record = StagedCallRecord.from_components(
+                rollout_id=f"rollout-{index}",
+                model_call_id="call-0",
+                parent_call_id=None,
+                mode="text",
+                prev_len=0,
+                weight_version=1,
+                token_ids_delta=ids,
+                token_mask_delta=columns.mask,
+                generation_log_probs_delta=columns.logprobs,
+                chain_hash=compute_chain_hash(None, ids),
+                cumulative_hash=hash_token_ids(ids),
+            )
+            batch.append(StageEntry(record))
+            if len(batch) == 100:
+                store.stage_all(batch)
+                batch = []
+        if batch:
+            store.stage_all(batch)
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    return _U64(len(raw)) + raw
+
+
+def raw_read_and_hash(path: str) -> int:
+    """Raw sqlite3: every stored row, and one SHA-256 pass over each record's digest preimage."""
+    hashed = 0
+    connection = sqlite3.connect(path)
+    try:
+        rows = connection.execute("SELECT body, token_ids, token_mask, log_probs FROM events ORDER BY seq")
+        for body, ids, mask, log_probs in rows:
+            if ids is None:
+                continue
+            fields = msgspec.msgpack.decode(body)
+            count = (len(ids) - 1) // 4
+            hasher = hashlib.sha256(STAGING_CALL_DOMAIN)
+            hasher.update(bytes((fields["schema_version"], STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)))
+            hasher.update(_text(fields["rollout_id"]) + _text(fields["model_call_id"]) + b"\x00")
+            hasher.update(_text(fields["mode"]))
+            hasher.update(_U64(fields["prev_len"]) + _U64(count) + _U64(fields["cum_len"]))
+            hasher.update(_U64(fields["weight_version"]) + _U64(8 + 8 * count) + _U64(count))
+            hasher.update(np.frombuffer(ids, dtype="<u4", offset=1).astype(">u8").data)
+            carry = int.from_bytes(mask[1:9], "big")
+            header = _U64(8 + 4 * count) + _U64(count)
+            hasher.update(header + b"\x00\x00\x00\x00" * carry + b"\x3f\x80\x00\x00" * (count - carry))
+            hasher.update(header)
+            hasher.update(memoryview(log_probs)[1:])
+            hasher.update(bytes.fromhex(fields["extras_digest"]))
+            hasher.update(b"\x01" + bytes.fromhex(fields["chain_hash"]))
+            hasher.update(b"\x01" + bytes.fromhex(fields["cumulative_hash"]))
+            hasher.digest()
+            hashed += 1
+    finally:
+        connection.close()
+    return hashed
+
+
+def raw_read(path: str) -> int:
+    """Raw sqlite3: every stored row of the log, every column."""
+    seen = 0
+    connection = sqlite3.connect(path)
+    try:
+        for row in connection.execute("SELECT * FROM events ORDER BY seq"):
+            seen += len(row)
+    finally:
+        connection.close()
+    return seen
+
+
+def store_audit(path: str) -> float:
+    """Seconds of one ``audit()`` on a freshly opened store (opening and migrating not timed)."""
+    with open_store(path) as store:
+        start = time.perf_counter()
+        report = store.audit()
+        took = time.perf_counter() - start
+    assert report.ok, report.summary()
+    return took
+
+
+def store_replay(path: str) -> float:
+    """Seconds of one ``replay()`` on a freshly opened store (opening and migrating not timed)."""
+    with open_store(path) as store:
+        start = time.perf_counter()
+        report = store.replay()
+        took = time.perf_counter() - start
+    assert report.ok, report.summary()
+    return took
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def rounds(thing: Callable[[], float], baseline: Callable[[], Any], count: int) -> dict[str, Any]:
+    """``count`` rounds of thing (which times itself) and baseline back to back, alternating
+    which goes first."""
+    thing(), baseline()  # warm the page cache for both
+    ratios, things, baselines = [], [], []
+    for index in range(count):
+        if index % 2:
+            base, took = _timed(baseline), thing()
+        else:
+            took, base = thing(), _timed(baseline)
+        things.append(took)
+        baselines.append(base)
+        ratios.append(took / base)
+    return {
+        "thing_median_s": statistics.median(things),
+        "baseline_median_s": statistics.median(baselines),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": count,
+    }
+
+
+def main() -> int:
+    p = parser(__doc__ or "")
+    p.add_argument("--records", type=int, default=None, help="records of 4,096 tokens (default 10,000; --quick 500)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per measurement (default 5; --quick 3)")
+    args = p.parse_args()
+    records = args.records or (500 if args.quick else 10_000)
+    count = args.rounds or (3 if args.quick else 5)
+    report = Report("audit", {"records": records, "tokens": TOKENS, "rounds": count})
+    with temp_dir(args.dir) as folder:
+        path = os.path.join(folder, "audit.db")
+        started = time.perf_counter()
+        build_store(path, records, args.seed)
+        report.notes.append(f"built the store in {fmt_seconds(time.perf_counter() - started)}")
+        audit = rounds(lambda: store_audit(path), lambda: raw_read_and_hash(path), count)
+        replay = rounds(lambda: store_replay(path), lambda: raw_read(path), count)
+    report.results = {"audit": audit, "replay": replay}
+    rows = []
+    for name, result, base in (("audit", audit, "raw read + SHA-256 of preimages"), ("replay", replay, "raw read")):
+        rows.append(
+            [
+                name,
+                fmt_seconds(result["thing_median_s"]),
+                f"{base}: {fmt_seconds(result['baseline_median_s'])}",
+                f"{result['ratio_median']:.2f}x ({result['ratio_min']:.2f}-{result['ratio_max']:.2f})",
+            ]
+        )
+    report.table(
+        f"{records} records x {TOKENS} tokens", ["what", "median", "baseline median", "ratio median (min-max)"], rows
+    )
+    report.targets.append(Target(f"audit_{records}x{TOKENS}", audit["ratio_median"], "<=", TARGET_RATIO))
+    report.targets.append(Target(f"replay_{records}x{TOKENS}", replay["ratio_median"], "<=", TARGET_RATIO))
+    report.emit(args.json)
+    return 0 if all(target.passed for target in report.targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
