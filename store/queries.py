@@ -255,14 +255,10 @@ def snapshot_from_event(
     body: RecordBody = event.body
     where = describe(row)
     try:
-        columns = PackedColumns(
-            decode_ids(bytes(row["token_ids"])),
-            decode_mask(bytes(row["token_mask"])),
-            decode_floats(bytes(row["log_probs"])),
-        )
+        columns = stored_columns(row)
         if verify_digest:
             digest, columns = staging_digest_and_columns(
-                **_record_fields(body),
+                **record_fields(body),
                 digest_version=2,
                 extras_digest_version=1,
                 token_ids_delta=columns.token_ids,
@@ -276,14 +272,23 @@ def snapshot_from_event(
     if digest != body.digest:
         raise CorruptRecordError(f"{where} does not match its staged digest")
     try:
-        snapshot = trusted_snapshot(StagedCallSnapshot, digest, columns, **_record_fields(body), extras=body.extras)
+        snapshot = trusted_snapshot(StagedCallSnapshot, digest, columns, **record_fields(body), extras=body.extras)
         spans = [(int(start), int(end), int(version)) for start, end, version in body.spans]
     except (InvalidRecordError, *DECODE_ERRORS) as exc:
         raise CorruptRecordError(f"{where}: {exc}") from exc
     return snapshot, spans
 
 
-def _record_fields(body: RecordBody) -> dict[str, Any]:
+def stored_columns(row: Mapping[Any, Any]) -> PackedColumns:
+    """A record event's token columns, unpacked (ValueError if the bytes are not a column)."""
+    return PackedColumns(
+        decode_ids(bytes(row["token_ids"])),
+        decode_mask(bytes(row["token_mask"])),
+        decode_floats(bytes(row["log_probs"])),
+    )
+
+
+def record_fields(body: RecordBody) -> dict[str, Any]:
     """The record's scalar fields as its event body keeps them."""
     return {
         "schema_version": body.schema_version,

@@ -35,7 +35,7 @@ from store.audit.report import (
     AuditProblem,
     AuditReport,
 )
-from store.columns import decode_floats, decode_ids, decode_mask
+from store.columns import decode_ids
 from store.digest import (
     CUMULATIVE_DOMAIN,
     PackedColumns,
@@ -48,6 +48,7 @@ from store.errors import CorruptRecordError, StoreError
 from store.events import RECORD_KINDS, AdmissionBody, EventKind, RecordBody
 from store.integrity import DECODE_ERRORS, verified_event
 from store.projections import CallState, Event, KeyState
+from store.queries import record_fields, stored_columns
 from store.records import GenerationCutContinuation, from_json
 from store.replay import (
     ReplayDifference,
@@ -246,13 +247,11 @@ class _Audit:
         """The record's columns once its digest recomputes from them and its body (else a problem)."""
         body: RecordBody = event.body
         try:
-            columns = PackedColumns(
-                decode_ids(bytes(row["token_ids"])),
-                decode_mask(bytes(row["token_mask"])),
-                decode_floats(bytes(row["log_probs"])),
-            )
+            columns = stored_columns(row)
             digest, columns = staging_digest_and_columns(
-                **_digest_fields(body),
+                **record_fields(body),
+                digest_version=2,
+                extras_digest_version=1,
                 token_ids_delta=columns.token_ids,
                 token_mask_delta=columns.token_mask,
                 generation_log_probs_delta=columns.log_probs,
@@ -446,8 +445,7 @@ class _Audit:
     def _columns(self, seq: int) -> PackedColumns:
         events = schema.events
         query = sa.select(events.c.token_ids, events.c.token_mask, events.c.log_probs).where(events.c.seq == seq)
-        ids, mask, log_probs = self.connection.execute(query).one()
-        return PackedColumns(decode_ids(bytes(ids)), decode_mask(bytes(mask)), decode_floats(bytes(log_probs)))
+        return stored_columns(self.connection.execute(query).one()._mapping)
 
     def _token_ids(self, seq: int) -> Any:
         events = schema.events
@@ -576,22 +574,3 @@ def _event_where(event: Event) -> dict[str, Any]:
         "model_call_id": event.model_call_id,
     }
 
-
-def _digest_fields(body: RecordBody) -> dict[str, Any]:
-    """The staged digest's scalar inputs, as the record's event body keeps them."""
-    return {
-        "schema_version": body.schema_version,
-        "digest_version": 2,
-        "extras_digest_version": 1,
-        "rollout_id": body.rollout_id,
-        "model_call_id": body.model_call_id,
-        "parent_call_id": body.parent_call_id,
-        "mode": body.mode,
-        "prev_len": body.prev_len,
-        "delta_len": body.delta_len,
-        "cum_len": body.cum_len,
-        "weight_version": body.weight_version,
-        "extras_digest": body.extras_digest,
-        "chain_hash": body.chain_hash,
-        "cumulative_hash": body.cumulative_hash,
-    }
