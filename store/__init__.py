@@ -49,6 +49,7 @@ from store.errors import (
     UnknownKeyError,
 )
 from store.events import EventKind
+from store.lineage import RolloutVersions, StaleCall, StaleReport
 from store.queries import CallInfo, StoredChunk, StoredCompletion, VersionSpan
 from store.rebuild import (
     ExtrasCommitment,
@@ -143,8 +144,11 @@ __all__ = [
     "RolloutReceipt",
     "RolloutRemoval",
     "RolloutTokenCapture",
+    "RolloutVersions",
     "RoutedExperts",
     "STAGING_SCHEMA_VERSION",
+    "StaleCall",
+    "StaleReport",
     "SUPPORTED_SCHEMA_VERSIONS",
     "SkippedChain",
     "StageEntry",

@@ -21,6 +21,8 @@ from store.events import (
     Span,
     record_body,
 )
+from store.lineage import versions
+from store.lineage.versions import RolloutVersions, StaleReport
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
 from store.queries import CallInfo, Reader, StoredChunk, StoredCompletion, VersionSpan
@@ -180,6 +182,23 @@ class Store:
         """Which delta positions of the call each policy version generated."""
         info = self.call(rollout_id, model_call_id)
         return () if info is None else info.version_spans
+
+    # --- lineage views (store.lineage) ------------------------------------------------------
+
+    def version_tokens(self, rollout_id: str | None = None) -> dict[int, int]:
+        """Generated tokens per policy version, store-wide or of one rollout (every attempt)."""
+        self._ready()
+        return versions.version_tokens(self._reader, arguments.optional_text("rollout_id", rollout_id))
+
+    def rollout_versions(self, rollout_id: str | None = None) -> list[RolloutVersions]:
+        """Per rollout: generated tokens per policy version, and its oldest and newest version."""
+        self._ready()
+        return versions.rollout_versions(self._reader, arguments.optional_text("rollout_id", rollout_id))
+
+    def stale(self, current_version: int, max_lag: int) -> StaleReport:
+        """Calls holding tokens more than ``max_lag`` versions behind ``current_version``, with counts."""
+        self._ready()
+        return versions.stale(self._reader, current_version, max_lag)
 
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""

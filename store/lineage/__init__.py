@@ -1,0 +1,9 @@
+"""Lineage views over the log: policy versions, the call tree of a rollout, linearize and export.
+
+This package reads the store's projections and events; nothing in the store's core imports
+it (``Store``'s lineage methods delegate here).
+"""
+
+from store.lineage.versions import RolloutVersions, StaleCall, StaleReport
+
+__all__ = ["RolloutVersions", "StaleCall", "StaleReport"]
