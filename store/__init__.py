@@ -49,7 +49,15 @@ from store.errors import (
     UnknownKeyError,
 )
 from store.events import EventKind
-from store.lineage import RolloutVersions, StaleCall, StaleReport
+from store.lineage import (
+    LineageCall,
+    ResumedCut,
+    RolloutLineage,
+    RolloutSummary,
+    RolloutVersions,
+    StaleCall,
+    StaleReport,
+)
 from store.queries import CallInfo, StoredChunk, StoredCompletion, VersionSpan
 from store.rebuild import (
     ExtrasCommitment,
@@ -129,6 +137,7 @@ __all__ = [
     "GenerationCutPrefixAck",
     "GenerationCutReceipt",
     "InvalidRecordError",
+    "LineageCall",
     "LinearizedRollout",
     "LinearizedRow",
     "MISSING_ROUTE_SENTINEL",
@@ -139,10 +148,13 @@ __all__ = [
     "ReceiptTypeError",
     "ReceiptVerificationError",
     "ReplayDifference",
+    "ResumedCut",
     "ReplayReport",
     "RolloutManifest",
+    "RolloutLineage",
     "RolloutReceipt",
     "RolloutRemoval",
+    "RolloutSummary",
     "RolloutTokenCapture",
     "RolloutVersions",
     "RoutedExperts",

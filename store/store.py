@@ -21,7 +21,8 @@ from store.events import (
     Span,
     record_body,
 )
-from store.lineage import versions
+from store.lineage import tree, versions
+from store.lineage.tree import RolloutLineage, RolloutSummary
 from store.lineage.versions import RolloutVersions, StaleReport
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
@@ -199,6 +200,16 @@ class Store:
         """Calls holding tokens more than ``max_lag`` versions behind ``current_version``, with counts."""
         self._ready()
         return versions.stale(self._reader, current_version, max_lag)
+
+    def rollouts(self) -> list[RolloutSummary]:
+        """Every rollout, its attempts grouped under it, sorted by id."""
+        self._ready()
+        return tree.rollouts(self._reader)
+
+    def lineage(self, rollout_id: str) -> RolloutLineage | None:
+        """The call tree of a rollout over every attempt (parents, continuations, states, versions), or None."""
+        self._ready()
+        return tree.lineage(self._reader, arguments.text("rollout_id", rollout_id))
 
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""

@@ -53,3 +53,54 @@ def test_stale_refuses_bad_arguments(store: Store, arguments: tuple[object, obje
 def test_version_views_refuse_a_non_text_rollout(store: Store) -> None:
     with pytest.raises(InvalidRecordError):
         store.version_tokens(7)  # type: ignore[arg-type]
+
+
+# --- rollouts() and lineage() --------------------------------------------------------------------
+
+
+def test_rollouts_group_attempts_under_their_rollout(store: Store) -> None:
+    two_call_rollout(store, "r0", interrupted=True)
+    two_call_rollout(store, "r1", interrupted=False)
+    two_call_rollout(store, "solo-a1", interrupted=False)  # ends like an attempt key, but its rollout is absent
+    summaries = store.rollouts()
+    assert [(s.rollout_id, s.attempts, s.calls, s.completed, s.failed) for s in summaries] == [
+        ("r0", ("r0", "r0-a1"), 2, 2, 0),  # c1's newest row (attempt 1) completed
+        ("r1", ("r1",), 2, 2, 0),
+        ("solo-a1", ("solo-a1",), 2, 2, 0),
+    ]
+
+
+def test_lineage_shows_the_tree_and_the_cut_a_continued_call_resumed(store: Store) -> None:
+    two_call_rollout(store, "r0", interrupted=True, versions=(7, 9))
+    tree = store.lineage("r0")
+    assert tree is not None
+    assert store.lineage("r0-a1") == tree, "an attempt's capture key names its rollout"
+    assert tree.rollout_id == "r0" and tree.attempts == ("r0", "r0-a1")
+    shape = [(c.capture_key, c.attempt, c.model_call_id, c.parent_call_id, c.state) for c in tree.calls]
+    assert shape == [
+        ("r0", 0, "c0", None, "completed"),
+        ("r0", 0, "c1", "c0", "staging"),
+        ("r0-a1", 1, "c1", "c0", "completed"),
+    ]
+    root, cut, continued = tree.calls
+    assert [c.model_call_id for c in tree.roots()] == ["c0"]
+    assert [c.capture_key for c in tree.children("c0")] == ["r0", "r0-a1"]
+    assert tree.latest("c1") == continued and tree.latest("nobody") is None
+    assert (root.prev_len, root.cum_len, root.generated_tokens) == (0, 5, 2)
+    assert (continued.prev_len, continued.cum_len, continued.generated_tokens) == (5, 11, 4)
+    assert (continued.admitted_version, continued.oldest_version, continued.newest_version) == (9, 7, 9)
+    assert [(s.start, s.end, s.weight_version) for s in continued.version_spans] == [(2, 4, 7), (4, 6, 9)]
+    assert cut.resumed_by == "r0-a1" and continued.resumed_by is None and cut.resumes is None
+    resumed = continued.resumes
+    assert resumed is not None
+    assert (resumed.capture_key, resumed.attempt, resumed.model_call_id) == ("r0", 0, "c1")
+    assert resumed.checkpoint_id == "ckpt-1"
+    assert resumed.staging_keys == ("__generation_cut__/ckpt-1/r0/c1/0",)
+    assert resumed.generation_token_count == 2
+    assert all(c.admitted_at is not None for c in tree.calls)
+    assert store.lineage("nobody") is None
+
+
+def test_lineage_refuses_a_non_text_rollout(store: Store) -> None:
+    with pytest.raises(InvalidRecordError):
+        store.lineage(None)  # type: ignore[arg-type]

@@ -4,6 +4,15 @@ This package reads the store's projections and events; nothing in the store's co
 it (``Store``'s lineage methods delegate here).
 """
 
+from store.lineage.tree import LineageCall, ResumedCut, RolloutLineage, RolloutSummary
 from store.lineage.versions import RolloutVersions, StaleCall, StaleReport
 
-__all__ = ["RolloutVersions", "StaleCall", "StaleReport"]
+__all__ = [
+    "LineageCall",
+    "ResumedCut",
+    "RolloutLineage",
+    "RolloutSummary",
+    "RolloutVersions",
+    "StaleCall",
+    "StaleReport",
+]
