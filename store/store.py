@@ -21,12 +21,14 @@ from store.events import (
     Span,
     record_body,
 )
+from store.lineage import linearize as lineage_linearize
 from store.lineage import tree, versions
 from store.lineage.tree import RolloutLineage, RolloutSummary
 from store.lineage.versions import RolloutVersions, StaleReport
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
 from store.queries import CallInfo, Reader, StoredChunk, StoredCompletion, VersionSpan
+from store.rebuild import LinearizedRollout
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
 
@@ -210,6 +212,16 @@ class Store:
         """The call tree of a rollout over every attempt (parents, continuations, states, versions), or None."""
         self._ready()
         return tree.lineage(self._reader, arguments.text("rollout_id", rollout_id))
+
+    def linearize(self, rollout_id: str) -> LinearizedRollout:
+        """Verify and linearize a rollout (every attempt) from the log: ``rows[0]`` is its terminal chain.
+
+        The receipt is built from the calls projection and the terminal records (terminal
+        selection of wire-contract 6.3, admission times from the admission events), then
+        ``verify_and_linearize_all`` runs; its ``ReceiptVerificationError`` codes say why not.
+        """
+        self._ready()
+        return lineage_linearize.linearize_rollout(self._reader, arguments.text("rollout_id", rollout_id))
 
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""

@@ -4,9 +4,40 @@ rollout across its attempts, ``Store.linearize`` and ``Store.export_jsonl``."""
 from __future__ import annotations
 
 import pytest
-from lineage_helpers import two_call_rollout
+import sqlalchemy as sa
+from capture_helpers import damage_token_ids
+from factories import make_record
+from lineage_helpers import PROMPT, ROOT_GENERATED, two_call_rollout
 
-from store import InvalidRecordError, StaleCall, Store
+from store import (
+    CaptureAdmission,
+    CorruptRecordError,
+    InvalidRecordError,
+    LinearizedRow,
+    ReceiptVerificationError,
+    RolloutTokenCapture,
+    StaleCall,
+    Store,
+    hash_token_ids,
+)
+
+ROW_FIELDS = (
+    "token_ids",
+    "token_mask",
+    "logprobs",
+    "model_call_ids",
+    "prompt_len",
+    "weight_versions",
+    "weight_version_spans",
+    "link_spans",
+    "extras_commitments",
+    "terminal_model_call_id",
+)
+
+
+def row_fields(row: LinearizedRow) -> dict[str, object]:
+    return {name: getattr(row, name) for name in ROW_FIELDS}
+
 
 # --- policy-version views ------------------------------------------------------------------------
 
@@ -104,3 +135,91 @@ def test_lineage_shows_the_tree_and_the_cut_a_continued_call_resumed(store: Stor
 def test_lineage_refuses_a_non_text_rollout(store: Store) -> None:
     with pytest.raises(InvalidRecordError):
         store.lineage(None)  # type: ignore[arg-type]
+
+
+# --- Store.linearize ---------------------------------------------------------------------------
+
+
+def test_a_continued_call_linearizes_exactly_like_the_same_call_uninterrupted(store: Store) -> None:
+    expected = two_call_rollout(store, "cut", interrupted=True)
+    assert two_call_rollout(store, "straight", interrupted=False) == expected
+    cut, straight = store.linearize("cut"), store.linearize("straight")
+    assert len(cut.rows) == len(straight.rows) == 1 and cut.skipped == straight.skipped == []
+    assert cut.rows[0].rollout_id == "cut" and straight.rows[0].rollout_id == "straight"
+    assert row_fields(cut.rows[0]) == row_fields(straight.rows[0])
+    row = cut.rows[0]
+    assert list(row.token_ids) == expected
+    assert row.model_call_ids == ["c0", "c1"] and row.terminal_model_call_id == "c1"
+    assert row.prompt_len == len(PROMPT)
+    assert row.link_spans == [("c0", 3, 2), ("c1", 2, 4)]
+    assert store.linearize("cut-a1") == cut, "an attempt's capture key names its rollout"
+
+
+def test_a_continued_call_across_policy_versions_linearizes_to_the_uninterrupted_tokens(store: Store) -> None:
+    expected = two_call_rollout(store, "r0", interrupted=True, versions=(7, 9))
+    [row] = store.linearize("r0").rows
+    assert list(row.token_ids) == expected
+    assert row.weight_versions == [7, 7], "a continued record is stamped with the oldest version of its parts"
+
+
+def test_a_second_root_linearizes_as_a_subagent_row(store: Store) -> None:
+    for call_id, prompt in (("main", (1, 2)), ("helper", (7, 8, 9))):
+        assert store.stage(make_record(rollout_id="r", model_call_id=call_id, prompt=prompt)).ok
+    result = store.linearize("r")
+    assert [row.terminal_model_call_id for row in result.rows] == ["main", "helper"]
+    assert result.num_roots == 2
+
+
+def test_linearize_reports_why_a_rollout_cannot_be_linearized(store: Store) -> None:
+    with pytest.raises(ReceiptVerificationError) as unknown:
+        store.linearize("nobody")
+    assert unknown.value.code == "empty_manifest"
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 3)
+    call = capture.begin_call(CaptureAdmission(rollout_id="failing", model_call_id="c0", mode="text"))
+    capture.fail_call(call, reason="the engine gave up")
+    capture.close()
+    with pytest.raises(ReceiptVerificationError) as poisoned:
+        store.linearize("failing")
+    assert poisoned.value.code == "capture_poisoned"
+    root = make_record(rollout_id="retried", model_call_id="root")
+    assert store.stage(root).ok
+    for call_id in ("a", "b"):  # two childless children: a retry of the final call
+        child = make_record(
+            rollout_id="retried",
+            model_call_id=call_id,
+            parent_call_id="root",
+            parent_chain_hash=root.chain_hash,
+            prefix=list(root.token_ids_delta),
+        )
+        assert store.stage(child).ok
+    with pytest.raises(ReceiptVerificationError) as ambiguous:
+        store.linearize("retried")
+    assert ambiguous.value.code == "ambiguous_terminal"
+
+
+def test_linearize_checks_the_projection_against_the_records_it_folded(store: Store) -> None:
+    two_call_rollout(store, "r0", interrupted=False)
+    with store._engine.begin() as connection:
+        connection.execute(
+            sa.text("UPDATE calls SET chain_hash = :hash WHERE rollout_id = 'r0' AND model_call_id = 'c0'"),
+            {"hash": "0" * 64},
+        )
+    with pytest.raises(ReceiptVerificationError) as edited:
+        store.linearize("r0")
+    assert edited.value.code == "wrong_chain_hash"
+    assert not store.replay().ok
+
+
+def test_linearize_refuses_damaged_token_bytes(store: Store) -> None:
+    two_call_rollout(store, "r0", interrupted=True)
+    damage_token_ids(store, "r0-a1/c1")
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        store.linearize("r0")
+
+
+def test_linearized_tokens_hash_to_the_terminal_cumulative_hash(store: Store) -> None:
+    expected = two_call_rollout(store, "r0", interrupted=True)
+    [row] = store.linearize("r0").rows
+    info = store.call("r0-a1", "c1")
+    assert info is not None and info.cumulative_hash == hash_token_ids(expected) == hash_token_ids(row.token_ids)
+    assert list(row.token_ids[: len(PROMPT) + len(ROOT_GENERATED)]) == [*PROMPT, *ROOT_GENERATED]
