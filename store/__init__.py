@@ -50,6 +50,8 @@ from store.errors import (
 )
 from store.events import EventKind
 from store.lineage import (
+    ExportFailure,
+    ExportReport,
     LineageCall,
     ResumedCut,
     RolloutLineage,
@@ -128,6 +130,8 @@ __all__ = [
     "EMPTY_EXTRAS_DIGEST",
     "EXTRAS_MAX_DEPTH",
     "EventKind",
+    "ExportFailure",
+    "ExportReport",
     "ExtrasCommitment",
     "FloatColumn",
     "GenerationCutContinuation",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import IO
 
 from store import arguments
 from store.engine import create_store_engine, migrate, resolve_url
@@ -21,8 +22,9 @@ from store.events import (
     Span,
     record_body,
 )
+from store.lineage import export, tree, versions
 from store.lineage import linearize as lineage_linearize
-from store.lineage import tree, versions
+from store.lineage.export import ExportReport
 from store.lineage.tree import RolloutLineage, RolloutSummary
 from store.lineage.versions import RolloutVersions, StaleReport
 from store.log import EventLog, NewEvent, WriteTransaction
@@ -222,6 +224,22 @@ class Store:
         """
         self._ready()
         return lineage_linearize.linearize_rollout(self._reader, arguments.text("rollout_id", rollout_id))
+
+    def export_jsonl(
+        self,
+        file: str | os.PathLike[str] | IO[str] | IO[bytes],
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        progress: Callable[[int, int], object] | None = None,
+    ) -> ExportReport:
+        """Write one JSON object per linearized row of every (or each named) rollout, verified as written.
+
+        Streams one rollout at a time.  Rollouts that fail to verify write nothing and are
+        listed in the report with their code; ``progress(done, total)`` is called per rollout.
+        """
+        self._ready()
+        wanted = None if rollout_ids is None else arguments.texts("rollout_ids", rollout_ids)
+        return export.export_jsonl(self._reader, file, wanted, progress)
 
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""

@@ -3,6 +3,12 @@ rollout across its attempts, ``Store.linearize`` and ``Store.export_jsonl``."""
 
 from __future__ import annotations
 
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
 import pytest
 import sqlalchemy as sa
 from capture_helpers import damage_token_ids
@@ -18,6 +24,7 @@ from store import (
     RolloutTokenCapture,
     StaleCall,
     Store,
+    compute_chain_hash,
     hash_token_ids,
 )
 
@@ -223,3 +230,100 @@ def test_linearized_tokens_hash_to_the_terminal_cumulative_hash(store: Store) ->
     info = store.call("r0-a1", "c1")
     assert info is not None and info.cumulative_hash == hash_token_ids(expected) == hash_token_ids(row.token_ids)
     assert list(row.token_ids[: len(PROMPT) + len(ROOT_GENERATED)]) == [*PROMPT, *ROOT_GENERATED]
+
+
+# --- Store.export_jsonl --------------------------------------------------------------------------
+
+
+def _exported(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_export_round_trips_and_hashes_from_the_exported_tokens(store: Store, tmp_path: Path) -> None:
+    expected = two_call_rollout(store, "r0", interrupted=True, versions=(7, 9))
+    two_call_rollout(store, "r1", interrupted=False)
+    for call_id, prompt in (("main", (1, 2)), ("helper", (7, 8, 9))):
+        assert store.stage(make_record(rollout_id="r2", model_call_id=call_id, prompt=prompt)).ok
+    seen: list[tuple[int, int]] = []
+    path = tmp_path / "rows.jsonl"
+    report = store.export_jsonl(path, progress=lambda done, total: seen.append((done, total)))
+    assert (report.ok, report.rollouts, report.rows, report.failures) == (True, 3, 4, [])
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    lines = _exported(path)
+    assert [(line["rollout_id"], line["terminal_model_call_id"]) for line in lines] == [
+        ("r0", "c1"),
+        ("r1", "c1"),
+        ("r2", "main"),
+        ("r2", "helper"),
+    ]
+    for line in lines:
+        assert set(line) == {*ROW_FIELDS, "rollout_id", "token_policy_versions"}
+        row = next(
+            r
+            for r in store.linearize(line["rollout_id"]).rows
+            if r.terminal_model_call_id == line["terminal_model_call_id"]
+        )
+        tree = store.lineage(line["rollout_id"])
+        assert tree is not None
+        leaf = tree.latest(line["terminal_model_call_id"])
+        assert leaf is not None
+        info = store.call(leaf.capture_key, leaf.model_call_id)
+        assert info is not None
+        assert hash_token_ids(line["token_ids"]) == info.cumulative_hash, "the exported tokens hash to the leaf's hash"
+        running = None
+        for call_id, carried, generated in line["link_spans"]:
+            span = next(s for s in line["weight_version_spans"] if s["model_call_id"] == call_id)
+            running = compute_chain_hash(running, line["token_ids"][span["start"] : span["end"]])
+            assert span["end"] - span["start"] == carried + generated
+        assert running == info.chain_hash, "the exported tokens rebuild the leaf's chain hash"
+        assert line["token_ids"] == list(row.token_ids)
+        assert line["token_mask"] == list(row.token_mask) and line["logprobs"] == list(row.logprobs)
+        assert len(line["token_policy_versions"]) == len(line["token_ids"])
+        generated_positions = [i for i, mask in enumerate(line["token_mask"]) if mask == 1.0]
+        assert [i for i, v in enumerate(line["token_policy_versions"]) if v is not None] == generated_positions
+    assert lines[0]["token_ids"] == expected
+    assert lines[0]["token_policy_versions"] == [None, None, None, 7, 7, None, None, 7, 7, 9, 9]
+
+
+def test_export_reports_rollouts_that_fail_and_writes_the_rest(store: Store, tmp_path: Path) -> None:
+    two_call_rollout(store, "damaged", interrupted=True)
+    two_call_rollout(store, "edited", interrupted=False)
+    two_call_rollout(store, "good", interrupted=False)
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 3)
+    call = capture.begin_call(CaptureAdmission(rollout_id="failing", model_call_id="c0", mode="text"))
+    capture.fail_call(call, reason="the engine gave up")
+    capture.close()
+    damage_token_ids(store, "damaged-a1/c1")
+    with store._engine.begin() as connection:  # spans that claim a carried position was generated
+        connection.execute(
+            sa.text("UPDATE calls SET version_spans = :spans WHERE rollout_id = 'edited' AND model_call_id = 'c0'"),
+            {"spans": msgspec.msgpack.encode([(0, 2, 7)])},
+        )
+    path = tmp_path / "rows.jsonl"
+    report = store.export_jsonl(path, rollout_ids=["damaged", "edited", "failing", "good", "nobody"])
+    assert [(f.rollout_id, f.code) for f in report.failures] == [
+        ("damaged", "corrupt_record"),
+        ("edited", "wrong_version_spans"),
+        ("failing", "capture_poisoned"),
+        ("nobody", "empty_manifest"),
+    ]
+    assert (report.ok, report.rollouts, report.rows) == (False, 1, 1)
+    assert [line["rollout_id"] for line in _exported(path)] == ["good"]
+
+
+def test_export_writes_the_same_bytes_to_text_and_binary_files(store: Store, tmp_path: Path) -> None:
+    two_call_rollout(store, "r0", interrupted=True)
+    text, binary = io.StringIO(), io.BytesIO()
+    store.export_jsonl(text)
+    store.export_jsonl(binary)
+    path = tmp_path / "rows.jsonl"
+    store.export_jsonl(str(path))
+    assert text.getvalue().encode("utf-8") == binary.getvalue() == path.read_bytes()
+    assert binary.getvalue().count(b"\n") == 1
+
+
+@pytest.mark.parametrize("arguments", [{"file": 42}, {"rollout_ids": "r0"}, {"rollout_ids": [None]}, {"progress": 3}])
+def test_export_refuses_bad_arguments(store: Store, arguments: dict[str, Any]) -> None:
+    arguments.setdefault("file", io.BytesIO())
+    with pytest.raises(InvalidRecordError):
+        store.export_jsonl(**arguments)

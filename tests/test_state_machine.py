@@ -11,15 +11,17 @@ repeated inventories, and forks.  After every step:
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
 * sequence numbers only grow;
-* every completed rollout linearizes (``Store.linearize``) to exactly the model's tokens and
-  oldest policy version; a failed one is refused as ``capture_poisoned``, one that generated
-  nothing as ``empty_generation``.
+* every completed rollout linearizes (``Store.linearize``) and exports (``Store.export_jsonl``)
+  to exactly the model's tokens and oldest policy version; a failed one is refused as
+  ``capture_poisoned``, one that generated nothing as ``empty_generation``.
 
 Every operation a later issue adds (audit, retention, coordinator) joins this machine.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 import sqlite3
@@ -430,6 +432,24 @@ class StoreMachine(RuleBasedStateMachine):
                 assert exc.code == code, exc
             else:
                 raise AssertionError(f"rollout {rollout_id} linearized; expected {code}")
+
+    @precondition(lambda self: bool(self.finished or self.failed or self.untrainable))
+    @rule()
+    def export(self) -> None:
+        """The export holds one line per finished rollout, with its tokens; refused rollouts name their code."""
+        self.steps["export"] += 1
+        written = io.BytesIO()
+        report = self.store.export_jsonl(written)
+        lines = {line["rollout_id"]: line for line in map(json.loads, written.getvalue().splitlines())}
+        for rollout_id, (tokens, version) in self.finished.items():
+            assert lines[rollout_id]["token_ids"] == tokens
+            assert lines[rollout_id]["weight_versions"] == [version]
+        codes = {failure.rollout_id: failure.code for failure in report.failures}
+        for rollout_id in self.failed:
+            assert codes[rollout_id] == "capture_poisoned"
+        for rollout_id in self.untrainable:
+            assert codes[rollout_id] == "empty_generation"
+        assert report.rows == len(lines)
 
     # --- invariants ----------------------------------------------------------------------------
 
