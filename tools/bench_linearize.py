@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def chain_records(
         prefix.append(columns.ids)
         chain_hash = compute_chain_hash(parent_chain, columns.ids)
         cumulative = hash_token_ids(np.concatenate(prefix))
-        fields = {
+        fields: dict[str, Any] = {
             "rollout_id": rollout_id,
             "model_call_id": f"call-{index}",
             "parent_call_id": None if index == 0 else f"call-{index - 1}",
@@ -68,7 +69,7 @@ def chain_records(
             token_mask_delta=columns.mask,
             generation_log_probs_delta=columns.logprobs,
         )
-        made.append((record, staging_preimage(columns=columns, **fields)))  # type: ignore[arg-type]
+        made.append((record, staging_preimage(columns=columns, **fields)))
         parent_chain = chain_hash
     return made
 
