@@ -106,6 +106,9 @@ def test_rollouts_group_attempts_under_their_rollout(store: Store) -> None:
         ("r1", ("r1",), 2, 2, 0),
         ("solo-a1", ("solo-a1",), 2, 2, 0),
     ]
+    assert store.lineage("solo") is None, "a rollout that is not in the store has no attempts"
+    solo = store.lineage("solo-a1")
+    assert solo is not None and solo.attempts == ("solo-a1",)
 
 
 def test_lineage_shows_the_tree_and_the_cut_a_continued_call_resumed(store: Store) -> None:

@@ -83,7 +83,7 @@ def family_calls(reader: Reader, rollout_id: str) -> list[FamilyCall]:
     present = {state.rollout_id for state in states}
     found = []
     for state in states:
-        where = split_capture_key(state.rollout_id, present | {rollout_id})
+        where = split_capture_key(state.rollout_id, present)  # as rollouts() groups them
         if where.rollout_id == rollout_id:
             found.append(FamilyCall(where.attempt, state))
     found.sort(key=lambda call: call.attempt)  # stable: commit order within an attempt
