@@ -325,8 +325,29 @@ def test_export_writes_the_same_bytes_to_text_and_binary_files(store: Store, tmp
     assert binary.getvalue().count(b"\n") == 1
 
 
-@pytest.mark.parametrize("arguments", [{"file": 42}, {"rollout_ids": "r0"}, {"rollout_ids": [None]}, {"progress": 3}])
+class TextOnly:
+    """A file-like object that takes only text (not an io.TextIOBase)."""
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):  # as a text stream refuses bytes
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        return len(text)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"file": 42},
+        {"file": "/nonexistent-folder/rows.jsonl"},
+        {"file": "bad\x00name"},
+        {"file": TextOnly()},
+        {"rollout_ids": "r0"},
+        {"rollout_ids": [None]},
+        {"progress": 3},
+    ],
+)
 def test_export_refuses_bad_arguments(store: Store, arguments: dict[str, Any]) -> None:
+    two_call_rollout(store, "r0", interrupted=False)
     arguments.setdefault("file", io.BytesIO())
     with pytest.raises(InvalidRecordError):
         store.export_jsonl(**arguments)

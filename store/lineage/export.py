@@ -137,10 +137,26 @@ def _failure(rollout_id: str, exc: Exception) -> ExportFailure:
     return ExportFailure(rollout_id, code, str(exc))
 
 
+def _checked(write: Writer) -> Writer:
+    """A writer whose refusal of the line's type is the caller's error, not a raw TypeError."""
+
+    def checked(line: bytes) -> object:
+        try:
+            return write(line)
+        except TypeError as exc:
+            raise InvalidRecordError(f"export_jsonl() could not write to the file: {exc}") from exc
+
+    return checked
+
+
 @contextmanager
 def _sink(file: Any) -> Iterator[Writer]:
     if isinstance(file, (str, os.PathLike)):
-        with open(file, "wb") as opened:
+        try:
+            opened = open(file, "wb")  # noqa: SIM115 (closed below, after the export)
+        except (OSError, ValueError) as exc:
+            raise InvalidRecordError(f"export_jsonl() cannot open {file!r}: {exc}") from exc
+        with opened:
             yield opened.write
         return
     if isinstance(file, io.TextIOBase):
@@ -148,7 +164,7 @@ def _sink(file: Any) -> Iterator[Writer]:
         yield lambda line: text.write(line.decode("utf-8"))
         return
     if callable(getattr(file, "write", None)):
-        yield file.write
+        yield _checked(file.write)
         return
     raise InvalidRecordError(f"export_jsonl() writes to a path or a writable file, got {type(file).__name__}")
 
