@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from store import arguments
 from store.engine import create_store_engine, migrate, resolve_url
@@ -22,9 +22,15 @@ from store.events import (
     Span,
     record_body,
 )
+from store.lineage import export, tree, versions
+from store.lineage import linearize as lineage_linearize
+from store.lineage.export import ExportReport
+from store.lineage.tree import RolloutLineage, RolloutSummary
+from store.lineage.versions import RolloutVersions, StaleReport
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
 from store.queries import CallInfo, Reader, StoredChunk, StoredCompletion, VersionSpan
+from store.rebuild import LinearizedRollout
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
 
@@ -184,6 +190,59 @@ class Store:
         """Which delta positions of the call each policy version generated."""
         info = self.call(rollout_id, model_call_id)
         return () if info is None else info.version_spans
+
+    # --- lineage views (store.lineage) ------------------------------------------------------
+
+    def version_tokens(self, rollout_id: str | None = None) -> dict[int, int]:
+        """Generated tokens per policy version, store-wide or of one rollout (every attempt)."""
+        self._ready()
+        return versions.version_tokens(self._reader, arguments.optional_text("rollout_id", rollout_id))
+
+    def rollout_versions(self, rollout_id: str | None = None) -> list[RolloutVersions]:
+        """Per rollout: generated tokens per policy version, and its oldest and newest version."""
+        self._ready()
+        return versions.rollout_versions(self._reader, arguments.optional_text("rollout_id", rollout_id))
+
+    def stale(self, current_version: int, max_lag: int) -> StaleReport:
+        """Calls holding tokens more than ``max_lag`` versions behind ``current_version``, with counts."""
+        self._ready()
+        return versions.stale(self._reader, current_version, max_lag)
+
+    def rollouts(self) -> list[RolloutSummary]:
+        """Every rollout, its attempts grouped under it, sorted by id."""
+        self._ready()
+        return tree.rollouts(self._reader)
+
+    def lineage(self, rollout_id: str) -> RolloutLineage | None:
+        """The call tree of a rollout over every attempt (parents, continuations, states, versions), or None."""
+        self._ready()
+        return tree.lineage(self._reader, arguments.text("rollout_id", rollout_id))
+
+    def linearize(self, rollout_id: str) -> LinearizedRollout:
+        """Verify and linearize a rollout (every attempt) from the log: ``rows[0]`` is its terminal chain.
+
+        The receipt is built from the calls projection and the terminal records (terminal
+        selection of wire-contract 6.3, admission times from the admission events), then
+        ``verify_and_linearize_all`` runs; its ``ReceiptVerificationError`` codes say why not.
+        """
+        self._ready()
+        return lineage_linearize.linearize_rollout(self._reader, arguments.text("rollout_id", rollout_id))
+
+    def export_jsonl(
+        self,
+        file: str | os.PathLike[str] | IO[str] | IO[bytes],
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        progress: Callable[[int, int], object] | None = None,
+    ) -> ExportReport:
+        """Write one JSON object per linearized row of every (or each named) rollout, verified as written.
+
+        Streams one rollout at a time.  Rollouts that fail to verify write nothing and are
+        listed in the report with their code; ``progress(done, total)`` is called per rollout.
+        """
+        self._ready()
+        wanted = None if rollout_ids is None else arguments.texts("rollout_ids", rollout_ids)
+        return export.export_jsonl(self._reader, file, wanted, progress)
 
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""

@@ -11,13 +11,18 @@ repeated inventories, and forks.  After every step:
 * the store-wide audit finds nothing (checksums, digests, chains, continuations, keys);
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
-* sequence numbers only grow.
+* sequence numbers only grow;
+* every completed rollout linearizes (``Store.linearize``) and exports (``Store.export_jsonl``)
+  to exactly the model's tokens and oldest policy version; a failed one is refused as
+  ``capture_poisoned``, one that generated nothing as ``empty_generation``.
 
 Every operation a later issue adds (audit, retention, coordinator) joins this machine.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 import sqlite3
@@ -42,6 +47,7 @@ from store import (
     GenerationCutPrefix,
     GenerationCutPrefixAck,
     GenerationCutReceipt,
+    ReceiptVerificationError,
     RolloutTokenCapture,
     Store,
     UnknownKeyError,
@@ -116,6 +122,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.counter = 0
         self.forks = 0
         self.last_seq = 0
+        self.finished: dict[str, tuple[list[int], int]] = {}  # rollout -> (its tokens, oldest version)
+        self.failed: set[str] = set()
+        self.untrainable: set[str] = set()
 
     def _open(self) -> None:
         self.store: Store = open_store(self.path)
@@ -290,6 +299,10 @@ class StoreMachine(RuleBasedStateMachine):
             token_ids=[*model.prompt, *generated],
             weight_version=model.oldest_version,
         )
+        if model.restored or generated:
+            self.finished[model.rollout_id] = ([*model.prompt, *generated], model.oldest_version)
+        else:
+            self.untrainable.add(model.rollout_id)  # nothing generated: no training row (empty_generation)
         for withdrawn in own:
             self.cleared.add(withdrawn)
             self.acked.pop(withdrawn, None)
@@ -303,6 +316,7 @@ class StoreMachine(RuleBasedStateMachine):
         del self.live[key]
         self.acks.pop(key, None)
         coords = self.capture.fail_call(model.call, reason="the engine gave up")
+        self.failed.add(model.rollout_id)
         assert coords.disposition == "capture_failed"
         info = self.store.call(*key)
         assert info is not None and info.state == "failed"
@@ -402,11 +416,51 @@ class StoreMachine(RuleBasedStateMachine):
     @rule()
     def audit(self) -> None:
         """An operator's audit, with a progress bar: it reaches the whole log and finds nothing."""
+        self.steps["audit"] += 1
         seen: list[tuple[int, int]] = []
         report = self.store.audit(progress=lambda done, total: seen.append((done, total)))
         assert report.ok, report.summary()
         assert seen[-1] == (report.counts["events"], report.counts["events"])
         assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+
+    @precondition(lambda self: bool(self.finished or self.failed or self.untrainable))
+    @rule()
+    def linearize(self) -> None:
+        """Every finished rollout linearizes to exactly its tokens, across its attempts; a failed one never."""
+        self.steps["linearize"] += 1
+        for rollout_id, (tokens, version) in self.finished.items():
+            result = self.store.linearize(rollout_id)
+            [row] = result.rows
+            assert row.rollout_id == rollout_id
+            assert list(row.token_ids) == tokens
+            assert row.weight_versions == [version]
+        refusals = [(rollout_id, "capture_poisoned") for rollout_id in self.failed]
+        refusals += [(rollout_id, "empty_generation") for rollout_id in self.untrainable]
+        for rollout_id, code in refusals:
+            try:
+                self.store.linearize(rollout_id)
+            except ReceiptVerificationError as exc:
+                assert exc.code == code, exc
+            else:
+                raise AssertionError(f"rollout {rollout_id} linearized; expected {code}")
+
+    @precondition(lambda self: bool(self.finished or self.failed or self.untrainable))
+    @rule()
+    def export(self) -> None:
+        """The export holds one line per finished rollout, with its tokens; refused rollouts name their code."""
+        self.steps["export"] += 1
+        written = io.BytesIO()
+        report = self.store.export_jsonl(written)
+        lines = {line["rollout_id"]: line for line in map(json.loads, written.getvalue().splitlines())}
+        for rollout_id, (tokens, version) in self.finished.items():
+            assert lines[rollout_id]["token_ids"] == tokens
+            assert lines[rollout_id]["weight_versions"] == [version]
+        codes = {failure.rollout_id: failure.code for failure in report.failures}
+        for rollout_id in self.failed:
+            assert codes[rollout_id] == "capture_poisoned"
+        for rollout_id in self.untrainable:
+            assert codes[rollout_id] == "empty_generation"
+        assert report.rows == len(lines)
 
     # --- invariants ----------------------------------------------------------------------------
 

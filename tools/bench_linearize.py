@@ -1,0 +1,191 @@
+"""Benchmark: ``Store.linearize`` of one rollout, and the peak memory of ``Store.export_jsonl``.
+
+* linearize: a rollout of 8 calls x 4,096 tokens (a chain; each call carries 10% prompt),
+  staged in a SQLite store.  The floor is one SHA-256 pass over the 8 records' staging-digest
+  preimages, measured in the same run.  Short blocks of the two alternate over several
+  rounds; each round gives a ratio (medians of the block), reported as median/min/max.
+  Target (issue 7): linearize / sha256 <= 3x.
+* export memory: two stores, one with N rollouts and one with 10 N (2 calls x 1,024 tokens
+  each), are built in one subprocess each; each is exported to a file by a fresh
+  subprocess that reports its peak RSS (``ru_maxrss``).  Target: the 10x store adds
+  < 20 MB peak RSS.
+
+    .venv/bin/python tools/bench_linearize.py [--quick] [--json] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import Columns, Report, Target, make_columns, measure, parser, staging_preimage, temp_dir
+
+from store import StagedCallRecord, StageEntry, compute_chain_hash, hash_token_ids, open_store
+
+LINEARIZE_TARGET = 3.0
+MEMORY_TARGET_MB = 20.0
+CALLS = 8
+TOKENS = 4_096
+WEIGHT_VERSION = 7
+
+
+def chain_records(
+    rollout_id: str, calls: int, tokens: int, rng: np.random.Generator
+) -> list[tuple[StagedCallRecord, bytes]]:
+    """A chain of ``calls`` records, each with its staging-digest preimage."""
+    made: list[tuple[StagedCallRecord, bytes]] = []
+    parent_chain: str | None = None
+    prefix: list[np.ndarray] = []
+    for index in range(calls):
+        columns: Columns = make_columns(rng, tokens)
+        prev_len = sum(len(part) for part in prefix)
+        prefix.append(columns.ids)
+        chain_hash = compute_chain_hash(parent_chain, columns.ids)
+        cumulative = hash_token_ids(np.concatenate(prefix))
+        fields: dict[str, Any] = {
+            "rollout_id": rollout_id,
+            "model_call_id": f"call-{index}",
+            "parent_call_id": None if index == 0 else f"call-{index - 1}",
+            "mode": "text" if index == 0 else "token_in",
+            "prev_len": prev_len,
+            "weight_version": WEIGHT_VERSION,
+            "chain_hash": chain_hash,
+            "cumulative_hash": cumulative,
+        }
+        record = StagedCallRecord.from_components(
+            **fields,
+            token_ids_delta=columns.ids,
+            token_mask_delta=columns.mask,
+            generation_log_probs_delta=columns.logprobs,
+        )
+        made.append((record, staging_preimage(columns=columns, **fields)))
+        parent_chain = chain_hash
+    return made
+
+
+def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> None:
+    rng = np.random.default_rng(1234)
+    made = chain_records("bench-rollout", CALLS, TOKENS, rng)
+    preimages = [preimage for _, preimage in made]
+    with open_store(os.path.join(folder, "linearize.db")) as store:
+        store.stage_all([StageEntry(record) for record, _ in made])
+        result = store.linearize("bench-rollout")
+        assert len(result.rows[0].token_ids) == CALLS * TOKENS
+        for record, preimage in made:  # the floor hashes what the digest hashes
+            assert hashlib.sha256(preimage).hexdigest() == record.digest
+
+        def thing() -> None:
+            store.linearize("bench-rollout")
+
+        def baseline() -> None:
+            for preimage in preimages:
+                hashlib.sha256(preimage).digest()
+
+        ratios, things, bases = [], [], []
+        for _ in range(rounds):
+            t = measure(thing, repeat=block).median
+            b = measure(baseline, repeat=block).median
+            things.append(t)
+            bases.append(b)
+            ratios.append(t / b)
+    report.table(
+        f"linearize, {CALLS} calls x {TOKENS} tokens ({rounds} rounds of {block} each)",
+        ["", "median", "min", "max"],
+        [
+            ["linearize (ms)", *(f"{f(things) * 1e3:.2f}" for f in (statistics.median, min, max))],
+            ["sha256 of preimages (ms)", *(f"{f(bases) * 1e3:.2f}" for f in (statistics.median, min, max))],
+            ["ratio per round", *(f"{f(ratios):.2f}" for f in (statistics.median, min, max))],
+        ],
+    )
+    report.results["linearize_ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    report.targets.append(
+        Target("linearize / sha256 (median of rounds)", statistics.median(ratios), "<=", LINEARIZE_TARGET)
+    )
+
+
+# --- export memory, in subprocesses ------------------------------------------------------------
+
+
+def build_store(path: str, rollouts: int) -> None:
+    rng = np.random.default_rng(99)
+    with open_store(path, durability="normal") as store:
+        batch: list[StageEntry] = []
+        for index in range(rollouts):
+            batch += [StageEntry(record) for record, _ in chain_records(f"r{index:06d}", 2, 1_024, rng)]
+            if len(batch) >= 200:
+                store.stage_all(batch)
+                batch = []
+        if batch:
+            store.stage_all(batch)
+
+
+def export_peak(path: str, out: str) -> None:
+    with open_store(path) as store:
+        report = store.export_jsonl(out)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": peak_kb / 1024, "rows": report.rows, "failures": len(report.failures)}))
+
+
+def _child(*args: str) -> str:
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def bench_export_memory(report: Report, folder: str, small: int) -> None:
+    rows = []
+    peaks = {}
+    for count in (small, small * 10):
+        path = os.path.join(folder, f"export-{count}.db")
+        _child("--build-store", path, str(count))
+        measured = json.loads(_child("--export-peak", path, os.path.join(folder, f"export-{count}.jsonl")))
+        assert measured["rows"] == count and measured["failures"] == 0, measured
+        peaks[count] = measured["peak_mb"]
+        rows.append([count, f"{measured['peak_mb']:.1f}", f"{os.path.getsize(path) / 2**20:.1f}"])
+    report.table("export_jsonl peak RSS (fresh process per store)", ["rollouts", "peak MB", "store MB"], rows)
+    added = peaks[small * 10] - peaks[small]
+    report.results["export_added_mb"] = added
+    report.targets.append(
+        Target(
+            "export peak RSS added by 10x rollouts",
+            added,
+            "<=",
+            MEMORY_TARGET_MB,
+            unit=" MB",
+            note="strictly below required",
+        )
+    )
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--build-store":
+        build_store(sys.argv[2], int(sys.argv[3]))
+        return
+    if len(sys.argv) == 4 and sys.argv[1] == "--export-peak":
+        export_peak(sys.argv[2], sys.argv[3])
+        return
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds of linearize and baseline")
+    args = p.parse_args()
+    rounds = args.rounds or (3 if args.quick else 9)
+    block = 3 if args.quick else 7
+    small = 30 if args.quick else 200
+    report = Report("bench_linearize", {"calls": CALLS, "tokens": TOKENS, "rounds": rounds, "block": block})
+    with temp_dir(args.dir) as folder:
+        bench_linearize(report, folder, rounds, block)
+        bench_export_memory(report, folder, small)
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()
