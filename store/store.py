@@ -67,7 +67,7 @@ class Store:
     def __init__(self, url_or_path: str | os.PathLike[str], *, durability: str = "full") -> None:
         self._url = resolve_url(url_or_path)
         self._durability = durability
-        self._gate = threading.Condition()  # guards the lifecycle fields below
+        self._gate = threading.Condition(threading.Lock())  # guards the lifecycle fields below
         self._active = 0  # public calls in flight
         self._forking = False  # a fork waits for the calls in flight; new ones wait for it
         self._closed = False  # no new call starts
@@ -126,7 +126,7 @@ class Store:
         self._gate.release()
 
     def _after_fork_in_child(self) -> None:
-        self._gate = threading.Condition()
+        self._gate = threading.Condition(threading.Lock())
         self._active = 0
         self._forking = False
         self._shut = self._closed
