@@ -257,7 +257,9 @@ class EventLog:
 
     def _reset_state(self) -> None:
         """Fresh locks and an empty queue; no connection (the current one is not closed)."""
-        self._lock = threading.Lock()
+        # An RLock: if an interrupt inside Condition.wait leaves it released, the ``with`` that
+        # then releases it again fails instead of releasing another thread's hold.
+        self._lock = threading.RLock()
         self._finished = threading.Condition(self._lock)  # followers wait for their batch
         self._arrived = threading.Condition(self._lock)  # a gathering leader waits for callers
         self._queue: list[_Pending[Any]] = []
@@ -282,7 +284,19 @@ class EventLog:
             if self._leader is pending:
                 self._write_batch(self._batch)
         finally:
-            self._leave(pending)
+            # An interrupt landing in _leave (on entry, or waiting for the lock) would keep the
+            # writer role for good: repeat it until it has run, then raise the interrupt.
+            interrupt: BaseException | None = None
+            while True:
+                try:
+                    self._leave(pending)
+                    break
+                except Exception:
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit
+                    interrupt = interrupt or exc
+            if interrupt is not None:
+                raise interrupt
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]
@@ -307,17 +321,21 @@ class EventLog:
     def _leave(self, pending: _Pending[Any]) -> None:
         """Every path out of ``write``: give back the writer role, and settle a batch left unwritten."""
         with self._lock:
-            if not pending.done and pending in self._queue:
-                self._queue.remove(pending)  # interrupted while waiting or gathering: its work never runs
-            if self._leader is not pending:
-                return
-            batch, self._batch = self._batch, []
-            self._last_batch = max(1, len(batch))
-            for other in batch:
-                if other is not pending and not other.done:
-                    self._settle_orphan(other)
-            self._leader = None
-            self._finished.notify_all()
+            self._leave_locked(pending)
+
+    def _leave_locked(self, pending: _Pending[Any]) -> None:
+        """``_leave``'s steps; each can be repeated after an interrupt."""
+        if not pending.done and pending in self._queue:
+            self._queue.remove(pending)  # interrupted while waiting or gathering: its work never runs
+        if self._leader is not pending:
+            return
+        for other in self._batch:
+            if other is not pending and not other.done and other not in self._queue:
+                self._settle_orphan(other)
+        self._last_batch = max(1, len(self._batch))
+        self._finished.notify_all()  # before the role is given back, so a repeat notifies again
+        self._batch = []
+        self._leader = None
 
     def _settle_orphan(self, pending: _Pending[Any]) -> None:
         """A follower whose leader was interrupted (called holding the lock)."""
@@ -440,10 +458,11 @@ class EventLog:
         return self._connection
 
     def _discard_writer(self) -> None:
-        if self._fairy is not None:
+        # Forget it first: even if invalidating is interrupted, the next batch opens a new one.
+        fairy, self._fairy, self._connection = self._fairy, None, None
+        if fairy is not None:
             with contextlib.suppress(Exception):  # the connection is being thrown away anyway
-                self._fairy.invalidate()
-        self._fairy = self._connection = None
+                fairy.invalidate()
 
     def release_writer(self) -> None:
         """Return the writer connection to the pool (before a fork: no connection is held in use)."""

@@ -45,7 +45,18 @@ def _operation(method: Callable[Concatenate[Store, P], R]) -> Callable[Concatena
             self._enter(entered)
             return method(self, *args, **kwargs)
         finally:
-            self._leave(entered)
+            # Repeated if an interrupt lands in it (even on entry): a call never counted out
+            # would keep close() and a fork waiting for good.
+            interrupt: BaseException | None = None
+            while entered[0]:
+                try:
+                    self._leave(entered)
+                except Exception:
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit
+                    interrupt = interrupt or exc
+            if interrupt is not None:
+                raise interrupt
 
     return run
 
@@ -67,7 +78,11 @@ class Store:
     def __init__(self, url_or_path: str | os.PathLike[str], *, durability: str = "full") -> None:
         self._url = resolve_url(url_or_path)
         self._durability = durability
-        self._gate = threading.Condition(threading.Lock())  # guards the lifecycle fields below
+        # Guards the lifecycle fields below.  Code takes ``with self._gate_lock``, never ``with
+        # self._gate``: Condition.__enter__ is Python, and an interrupt after it locked would keep the
+        # lock.  An RLock, so a release after an interrupted wait fails instead of freeing another's hold.
+        self._gate_lock = threading.RLock()
+        self._gate = threading.Condition(self._gate_lock)
         self._active = 0  # public calls in flight
         self._forking = False  # a fork waits for the calls in flight; new ones wait for it
         self._closed = False  # no new call starts
@@ -82,7 +97,7 @@ class Store:
         _track_for_fork(self)
 
     def _enter(self, entered: list[bool]) -> None:
-        with self._gate:
+        with self._gate_lock:
             while self._forking:
                 self._gate.wait()
             if self._closed:
@@ -93,12 +108,12 @@ class Store:
             entered[0] = True
 
     def _leave(self, entered: list[bool]) -> None:
-        with self._gate:
+        with self._gate_lock:
             if entered[0]:
-                entered[0] = False
+                if self._active == 1:
+                    self._gate.notify_all()  # first: a repeat after an interrupt notifies again
                 self._active -= 1
-                if self._active == 0:
-                    self._gate.notify_all()
+                entered[0] = False
 
     # --- fork: the child reconnects; no SQLite connection is open across the fork -------------
 
@@ -126,7 +141,8 @@ class Store:
         self._gate.release()
 
     def _after_fork_in_child(self) -> None:
-        self._gate = threading.Condition(threading.Lock())
+        self._gate_lock = threading.RLock()
+        self._gate = threading.Condition(self._gate_lock)
         self._active = 0
         self._forking = False
         self._shut = self._closed
@@ -303,7 +319,7 @@ class Store:
         """Close the store.  Calls in flight finish first; a write queued behind the batch being
         committed raises ``StoreClosedError``.  Once ``close()`` returns nothing more commits
         and no connection stays open; every later call raises ``StoreClosedError``."""
-        with self._gate:
+        with self._gate_lock:
             if self._closed:
                 while not self._shut:  # another thread is closing it
                     self._gate.wait()
