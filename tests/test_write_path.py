@@ -269,6 +269,41 @@ def test_an_interrupt_while_a_batch_is_written_gives_followers_a_store_error(
     run_in_thread(store.close)()
 
 
+def test_an_interrupt_while_the_leader_leaves_still_gives_the_writer_role_back(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = EventLog._leave
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_on_entry(self: EventLog, pending: Any) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        original(self, pending)
+
+    monkeypatch.setattr(EventLog, "_leave", interrupted_on_entry)
+    with pytest.raises(KeyboardInterrupt):
+        store.stage(make_record(model_call_id="interrupted"))
+    assert run_in_thread(lambda: store.stage(make_record(model_call_id="after")))().ok
+    run_in_thread(store.close)()
+
+
+def test_an_interrupt_while_a_call_is_counted_out_does_not_keep_close_waiting(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = Store._leave
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_on_entry(self: Store, entered: list[bool]) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        original(self, entered)
+
+    monkeypatch.setattr(Store, "_leave", interrupted_on_entry)
+    with pytest.raises(KeyboardInterrupt):
+        store.calls()
+    run_in_thread(store.close)()
+
+
 # --- 14: close() racing stage() --------------------------------------------------------------------
 
 CLOSE_TRIALS = 12
