@@ -132,7 +132,8 @@ class Store:
         if not self._closed:
             with contextlib.suppress(Exception):  # a broken connection is reopened after the fork anyway
                 self._log.release_writer()
-                if self._backend is SQLITE:
+            if self._backend is SQLITE:
+                with contextlib.suppress(Exception):
                     self._engine.dispose()
 
     def _after_fork_in_parent(self) -> None:
