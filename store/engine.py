@@ -26,6 +26,10 @@ from store.schema import SCHEMA_REVISION
 
 DURABILITY_LEVELS = ("full", "normal")
 BUSY_TIMEOUT_MS = 60_000
+# The -wal file is truncated to this size at the first commit after a checkpoint has
+# copied it all into the database.  Steady staging keeps it near SQLite's 1,000-page
+# autocheckpoint (about 4 MiB); a long reader lets it grow past this until the reader ends.
+WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
 _PG_WRITE_LOCK = 0x5354_4147  # advisory lock id: one writer at a time, as on SQLite
 
 
@@ -35,6 +39,12 @@ class Backend:
 
     name: str
     begin_write_sql: str
+    # Opens a read transaction that sees one snapshot and takes no write lock (replay checks).
+    begin_snapshot_sql: str = "BEGIN"
+    # Run in a write transaction that appended nothing, so its durable commit still writes
+    # (and flushes) a commit record: PostgreSQL flushes the log up to it, earlier
+    # unsynced commits included.  SQLite syncs its -wal file instead (``sync_file``).
+    force_commit_record_sql: str | None = None
 
     def commit_mode_sql(self, durable: bool) -> tuple[str | None, str | None]:
         """SQL to run before BEGIN and inside the transaction so its commit waits for the disk or not."""
@@ -44,7 +54,12 @@ class Backend:
 
 
 SQLITE = Backend("sqlite", "BEGIN IMMEDIATE")
-POSTGRESQL = Backend("postgresql", f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK})")
+POSTGRESQL = Backend(
+    "postgresql",
+    f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK})",
+    begin_snapshot_sql="SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY",
+    force_commit_record_sql="SELECT txid_current()",
+)
 
 
 def resolve_url(url_or_path: str | os.PathLike[str]) -> URL:
@@ -132,6 +147,7 @@ def _configure_sqlite(engine: Engine, durability: str) -> None:
         cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         _enable_wal(cursor)
         cursor.execute(f"PRAGMA synchronous = {synchronous}")
+        cursor.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
         cursor.close()
 
 
@@ -179,6 +195,28 @@ class Statement:
             return values
         picked = self._positional(values)
         return (picked,) if self._single else picked
+
+
+def wal_path(url: URL) -> str | None:
+    """The -wal file of a SQLite store (None for PostgreSQL)."""
+    return f"{url.database}-wal" if url.get_backend_name() == "sqlite" else None
+
+
+def sync_file(path: str) -> None:
+    """fsync ``path``: what other connections committed to it reaches the disk.  A missing
+    -wal file was checkpointed into the database (synced) and removed: nothing to do."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StorageError(f"syncing {path} failed: {exc}") from exc
+    try:
+        os.fsync(descriptor)
+    except OSError as exc:
+        raise StorageError(f"syncing {path} failed: {exc}") from exc
+    finally:
+        os.close(descriptor)
 
 
 def storage_error(action: str, exc: BaseException) -> StorageError:

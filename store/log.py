@@ -23,8 +23,8 @@ from sqlalchemy.engine import Engine
 from store import failpoints, schema
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
-from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error
-from store.errors import StoreError
+from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
+from store.errors import StorageError, StoreClosedError, StoreError
 from store.events import EventKind, encode_body
 from store.projections import (
     CallState,
@@ -114,6 +114,7 @@ class WriteTransaction:
         self._cursor = cursor
         self._sql = statements
         self._pid = os.getpid()
+        self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -159,6 +160,7 @@ class WriteTransaction:
         stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
         row = self._execute(self._sql.insert_event, stored).fetchone()
         seq = int(row[0])
+        self.appended += 1
         event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
         return seq
@@ -225,21 +227,36 @@ GATHER_SECONDS = 0.0005
 
 
 class EventLog:
-    """The single write path of a store: group commit over one writer connection."""
+    """The single write path of a store: group commit over one writer connection.
 
-    def __init__(self, engine: Engine, backend: Backend, *, durable: bool = True) -> None:
+    The writer role belongs to one pending write at a time (``_leader``); it is taken with a
+    single assignment and given back in a ``finally`` that every path out of ``write``
+    runs, so an interrupt (``KeyboardInterrupt``, an async exception) never leaves it taken.
+    """
+
+    def __init__(self, engine: Engine, backend: Backend, *, durable: bool = True, wal_path: str | None = None) -> None:
         self._engine = engine
         self._backend = backend
         self._durable = durable
+        self._wal_path = wal_path  # SQLite: the -wal file a durable acknowledgement may have to sync
         self._statements = _Statements(engine)
         self._driver_errors = driver_errors(engine)
-        self._lock = threading.Lock()
+        self._closed = False
+        self._last_batch = 1
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """Fresh locks and an empty queue; no connection (the current one is not closed)."""
+        # An RLock: if an interrupt inside Condition.wait leaves it released, the ``with`` that
+        # then releases it again fails instead of releasing another thread's hold.
+        self._lock = threading.RLock()
         self._finished = threading.Condition(self._lock)  # followers wait for their batch
         self._arrived = threading.Condition(self._lock)  # a gathering leader waits for callers
         self._queue: list[_Pending[Any]] = []
-        self._writing = False
+        self._leader: _Pending[Any] | None = None  # the pending whose thread holds the writer role
+        self._batch: list[_Pending[Any]] = []  # what the leader took from the queue
+        self._batch_started = False  # the leader began writing its batch
         self._gathering = False
-        self._last_batch = 1
         self._connection: Any = None
         self._fairy: Any = None  # the pool's wrapper of _connection, kept to return it
         self._commit_mode: bool | None = None  # the writer connection's current durability
@@ -248,30 +265,81 @@ class EventLog:
         """Run ``work`` in a write transaction and return its result once committed.
 
         ``durable=False`` is for bookkeeping events that hold no staged tokens: their commit
-        does not wait for the disk unless a durable write shares the batch.
+        does not wait for the disk unless a durable write shares the batch.  Raises
+        ``StoreClosedError`` if the log is closed before the write began.
         """
         pending: _Pending[T] = _Pending(work, durable)
-        with self._lock:
-            self._queue.append(pending)
-            if self._gathering:
-                self._arrived.notify()
-            while self._writing and not pending.done:
-                self._finished.wait()
-            if not pending.done:
-                self._writing = True
-                self._gather()
-                batch, self._queue = self._queue, []
-        if not pending.done:
-            try:
-                self._write_batch(batch)
-            finally:
-                with self._lock:
-                    self._writing = False
-                    self._last_batch = len(batch)
-                    self._finished.notify_all()
+        try:
+            self._take_turn(pending)
+            if self._leader is pending:
+                self._write_batch(self._batch)
+        finally:
+            # An interrupt landing in _leave (on entry, or waiting for the lock) would keep the
+            # writer role for good: repeat it until it has run, then raise the interrupt.
+            interrupt: BaseException | None = None
+            while True:
+                try:
+                    self._leave(pending)
+                    break
+                except Exception:
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit
+                    interrupt = interrupt or exc
+            if interrupt is not None:
+                raise interrupt
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]
+
+    def _take_turn(self, pending: _Pending[Any]) -> None:
+        """Queue ``pending``; return once another leader wrote it, or with the writer role and a batch."""
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("this store was closed")
+            self._queue.append(pending)
+            if self._gathering:
+                self._arrived.notify()
+            while self._leader is not None and not pending.done:
+                self._finished.wait()
+            if pending.done:
+                return
+            self._leader = pending  # one assignment: from here on _leave gives the role back
+            self._batch_started = False
+            self._gather()
+            self._batch, self._queue = self._queue, []
+
+    def _leave(self, pending: _Pending[Any]) -> None:
+        """Every path out of ``write``: give back the writer role, and settle a batch left unwritten."""
+        with self._lock:
+            self._leave_locked(pending)
+
+    def _leave_locked(self, pending: _Pending[Any]) -> None:
+        """``_leave``'s steps; each can be repeated after an interrupt."""
+        if not pending.done and pending in self._queue:
+            self._queue.remove(pending)  # interrupted while waiting or gathering: its work never runs
+        if self._leader is not pending:
+            return
+        for other in self._batch:
+            if other is not pending and not other.done and other not in self._queue:
+                self._settle_orphan(other)
+        self._last_batch = max(1, len(self._batch))
+        self._finished.notify_all()  # before the role is given back, so a repeat notifies again
+        self._batch = []
+        self._leader = None
+
+    def _settle_orphan(self, pending: _Pending[Any]) -> None:
+        """A follower whose leader was interrupted (called holding the lock)."""
+        if self._closed:
+            pending.error = StoreClosedError("this store was closed before the write began")
+        elif not self._batch_started:
+            self._queue.insert(0, pending)  # never written: a waiting follower leads it next
+            return
+        elif pending.error is None:
+            pending.error = StorageError(
+                "the write was interrupted in another thread; it may or may not have been committed "
+                "(re-staging an identical record is a no-op)"
+            )
+        pending.done = True
 
     def _gather(self) -> None:
         """Wait briefly for as many callers as the last batch had (called holding the lock)."""
@@ -294,6 +362,7 @@ class EventLog:
         they are used only when a first pass finds a failing caller: then the batch is
         rolled back and run again with each caller isolated (its work only reads and writes
         the transaction, so running it again is safe)."""
+        self._batch_started = True
         durable = self._durable and any(pending.durable for pending in batch)
         isolate = False
         try:
@@ -311,7 +380,9 @@ class EventLog:
                 self._discard_writer()  # the connection's state is unknown after a driver error
             for pending in batch:
                 if pending.error is None:
-                    pending.error = self._translate(exc)
+                    # An interrupt belongs to the leader's thread; the others get a store error.
+                    interrupt = not isinstance(exc, Exception)
+                    pending.error = exc if interrupt and pending is self._leader else self._translate(exc)
                 pending.result = None
         finally:
             for pending in batch:
@@ -331,11 +402,17 @@ class EventLog:
                 self._run_one(transaction, pending, f"op{index}" if isolate else None)
                 if pending.error is not None and not isolate:
                     raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
+            unsynced = durable and transaction.appended == 0
+            if unsynced and self._backend.force_commit_record_sql is not None:
+                cursor.execute(self._backend.force_commit_record_sql)
             failpoints.hit("before_commit")
+        if unsynced and self._wal_path is not None:
+            sync_file(self._wal_path)
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
         if savepoint is not None:
             transaction.savepoint(savepoint)
+        appended = transaction.appended
         try:
             pending.result = pending.work(transaction)
         except self._driver_errors as exc:
@@ -349,15 +426,22 @@ class EventLog:
             else:
                 transaction.rollback_to(savepoint)
                 transaction.release(savepoint)
+                transaction.appended = appended  # its events were undone
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, StoreError):
             return exc
         if isinstance(exc, self._driver_errors):
             error = storage_error("committing to the store", exc)
-            error.__cause__ = exc
-            return error
-        return exc
+        elif isinstance(exc, Exception):
+            return exc
+        else:  # an interrupt of the leader's thread, before or after the commit
+            error = StorageError(
+                f"the write was interrupted in another thread ({type(exc).__name__}); "
+                "it may or may not have been committed (re-staging an identical record is a no-op)"
+            )
+        error.__cause__ = exc
+        return error
 
     def _writer(self) -> Any:
         if self._connection is None:
@@ -368,15 +452,33 @@ class EventLog:
         return self._connection
 
     def _discard_writer(self) -> None:
-        if self._fairy is not None:
+        # Forget it first: even if invalidating is interrupted, the next batch opens a new one.
+        fairy, self._fairy, self._connection = self._fairy, None, None
+        if fairy is not None:
             with contextlib.suppress(Exception):  # the connection is being thrown away anyway
-                self._fairy.invalidate()
-        self._fairy = self._connection = None
+                fairy.invalidate()
+
+    def release_writer(self) -> None:
+        """Return the writer connection to the pool (before a fork: no connection is held in use)."""
+        with self._lock:
+            fairy, self._fairy, self._connection = self._fairy, None, None
+        if fairy is not None:
+            fairy.close()
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: new locks and queue; the parent's connection is neither used nor closed."""
+        self._reset_state()
 
     def close(self) -> None:
+        """Refuse new writes, fail the queued ones, let the batch being written commit, close the writer."""
         with self._lock:
-            while self._writing:
+            self._closed = True
+            for pending in self._queue:
+                if pending is not self._leader:
+                    pending.error = StoreClosedError("this store was closed before the write began")
+                    pending.done = True
+            self._queue = [pending for pending in self._queue if pending is self._leader]
+            self._finished.notify_all()
+            while self._leader is not None:
                 self._finished.wait()
-            if self._fairy is not None:
-                self._fairy.close()
-            self._fairy = self._connection = None
+        self.release_writer()

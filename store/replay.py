@@ -233,10 +233,15 @@ def compare(live: Tables, rebuilt: Tables) -> list[ReplayDifference]:
 
 
 def replay(engine: Engine, backend: Backend, *, repair: bool = False) -> ReplayReport:
-    """Rebuild under the write lock (a consistent view); optionally replace the live rows."""
+    """Rebuild the projections from one snapshot of the log and compare them with the live rows.
+
+    A check reads a snapshot without the write lock (SQLite: a deferred read transaction on
+    the WAL; PostgreSQL: repeatable read, read only), so writers carry on while it folds.
+    Only a repair takes the write lock, so the rows it replaces are the ones it compared.
+    """
     try:
         with engine.connect() as connection, paused_gc():
-            connection.exec_driver_sql(backend.begin_write_sql)
+            connection.exec_driver_sql(backend.begin_write_sql if repair else backend.begin_snapshot_sql)
             undecodable: list[tuple[int, str]] = []
             count, rebuilt = rebuild(connection, undecodable)
             differences = compare(live_tables(connection), rebuilt)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from store import arguments
-from store.engine import create_store_engine, migrate, resolve_url
+from store.engine import SQLITE, create_store_engine, migrate, resolve_url, wal_path
 from store.errors import InvalidRecordError, StagingRefusedError, StoreClosedError
 from store.events import (
     AdmissionBody,
@@ -37,6 +40,35 @@ from store.replay import ReplayReport, replay
 if TYPE_CHECKING:
     from store.audit import AuditReport
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _operation(method: Callable[Concatenate[Store, P], R]) -> Callable[Concatenate[Store, P], R]:
+    """A public call: refused once the store is closed; ``close()`` and a fork wait for it to end."""
+
+    @functools.wraps(method)
+    def run(self: Store, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        entered = [False]  # set with the count of calls in flight, so an interrupt leaves both agreeing
+        try:
+            self._enter(entered)
+            return method(self, *args, **kwargs)
+        finally:
+            # Repeated if an interrupt lands in it (even on entry): a call never counted out
+            # would keep close() and a fork waiting for good.
+            interrupt: BaseException | None = None
+            while entered[0]:
+                try:
+                    self._leave(entered)
+                except Exception:
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit
+                    interrupt = interrupt or exc
+            if interrupt is not None:
+                raise interrupt
+
+    return run
+
 
 @dataclass(frozen=True)
 class StageEntry:
@@ -55,26 +87,82 @@ class Store:
     def __init__(self, url_or_path: str | os.PathLike[str], *, durability: str = "full") -> None:
         self._url = resolve_url(url_or_path)
         self._durability = durability
-        self._lock = threading.Lock()
-        self._closed = False
-        self._connect()
-        migrate(self._engine, self._backend)
-
-    def _connect(self) -> None:
+        # Guards the lifecycle fields below.  Code takes ``with self._gate_lock``, never ``with
+        # self._gate``: Condition.__enter__ is Python, and an interrupt after it locked would keep the
+        # lock.  An RLock, so a release after an interrupted wait fails instead of freeing another's hold.
+        self._gate_lock = threading.RLock()
+        self._gate = threading.Condition(self._gate_lock)
+        self._active = 0  # public calls in flight
+        self._forking = False  # a fork waits for the calls in flight; new ones wait for it
+        self._closed = False  # no new call starts
+        self._shut = False  # close() finished: nothing commits any more, no connection is open
         self._engine, self._backend = create_store_engine(self._url, self._durability)
-        self._log = EventLog(self._engine, self._backend, durable=self._durability == "full")
+        self._log = EventLog(
+            self._engine, self._backend, durable=self._durability == "full", wal_path=wal_path(self._url)
+        )
         self._reader = Reader(self._engine)
         self._pid = os.getpid()
+        migrate(self._engine, self._backend)
+        _track_for_fork(self)
 
-    def _ready(self) -> None:
-        if self._closed:
-            raise StoreClosedError("this store was closed")
-        if self._pid != os.getpid():
-            # A forked child must not share the parent's connections.
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._engine.dispose(close=False)
-                    self._connect()
+    def _enter(self, entered: list[bool]) -> None:
+        with self._gate_lock:
+            while self._forking:
+                self._gate.wait()
+            if self._closed:
+                raise StoreClosedError("this store was closed")
+            if self._pid != os.getpid():  # forked where os.register_at_fork did not run (fork() from C)
+                self._forget_parent_connections()
+            self._active += 1
+            entered[0] = True
+
+    def _leave(self, entered: list[bool]) -> None:
+        with self._gate_lock:
+            if entered[0]:
+                if self._active == 1:
+                    self._gate.notify_all()  # first: a repeat after an interrupt notifies again
+                self._active -= 1
+                entered[0] = False
+
+    # --- fork: the child reconnects; no SQLite connection is open across the fork -------------
+
+    def _before_fork(self) -> None:
+        """Hold the store still: wait for calls in flight, keep new ones out until after the fork.
+
+        SQLite keeps lock bookkeeping per process, shared by every connection to a file, and
+        a child inherits the parent's copy: a connection the child opens would trust locks
+        only the parent holds.  So the parent's SQLite connections are closed here (they
+        reopen on next use); PostgreSQL connections stay open and the child leaves them alone.
+        """
+        self._gate.acquire()
+        self._forking = True
+        while self._active:
+            self._gate.wait()
+        if not self._closed:
+            with contextlib.suppress(Exception):  # a broken connection is reopened after the fork anyway
+                self._log.release_writer()
+            if self._backend is SQLITE:
+                with contextlib.suppress(Exception):
+                    self._engine.dispose()
+
+    def _after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._gate.notify_all()
+        self._gate.release()
+
+    def _after_fork_in_child(self) -> None:
+        self._gate_lock = threading.RLock()
+        self._gate = threading.Condition(self._gate_lock)
+        self._active = 0
+        self._forking = False
+        self._shut = self._closed
+        self._forget_parent_connections()
+
+    def _forget_parent_connections(self) -> None:
+        """In a forked child: drop the parent's connections without using or closing them."""
+        self._engine.dispose(close=False)
+        self._log.after_fork_in_child()
+        self._pid = os.getpid()
 
     @property
     def url(self) -> str:
@@ -87,6 +175,7 @@ class Store:
 
     # --- the staging sink and source -------------------------------------------------------
 
+    @_operation
     def stage(
         self,
         record: StagedCallRecord,
@@ -103,10 +192,10 @@ class Store:
         ``kind`` and ``spans`` let the capture mark cut prefixes and chunks; the default
         is a call's terminal record, its generated tokens produced by its weight version.
         """
-        self._ready()
         event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
         return self._log.write(lambda tx: _stage(tx, event, record.digest))
 
+    @_operation
     def stage_all(
         self, entries: Sequence[StageEntry], *, cut_receipt: tuple[str, str, bytes] | None = None
     ) -> list[StageResult]:
@@ -115,7 +204,6 @@ class Store:
         Raises ``StagingRefusedError`` (nothing written) if any key holds a different record.
         Used by generation cuts, whose acknowledgements must all hold before any is sealed.
         """
-        self._ready()
         events = [self._record_event(entry) for entry in arguments.sequence_of("entries", entries, StageEntry)]
         receipt_event = None
         if cut_receipt is not None:
@@ -158,11 +246,12 @@ class Store:
         body = record_body(record, spans, arguments.completion(entry.completion))
         return NewEvent(kind, rollout_id, model_call_id, body, key, columns)
 
+    @_operation
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
         """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent."""
-        self._ready()
         return self._reader.fetch(arguments.texts("fetch() keys", keys))
 
+    @_operation
     def fetch_chunks(self, keys: Sequence[str]) -> list[StoredChunk]:
         """Like ``fetch``, with each record's version spans and event kind; checksums verified,
         digests not re-hashed.
@@ -170,20 +259,19 @@ class Store:
         Only for callers that verify one digest over the concatenation, as restoring a
         generation cut does (the rebuilt prefix must match the continuation's digest).
         """
-        self._ready()
         return self._reader.fetch_with_spans(arguments.texts("fetch_chunks() keys", keys), verify_digests=False)
 
     # --- projections ------------------------------------------------------------------------
 
+    @_operation
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
         """The calls projection for one call (lineage, state, policy versions), or None."""
-        self._ready()
         arguments.stream(rollout_id, model_call_id)
         return self._reader.call(rollout_id, model_call_id)
 
+    @_operation
     def calls(self, rollout_id: str | None = None) -> list[CallInfo]:
         """Every call (of one rollout, when given), in the order they were last written."""
-        self._ready()
         return self._reader.calls(arguments.optional_text("rollout_id", rollout_id))
 
     def version_spans(self, rollout_id: str, model_call_id: str) -> tuple[VersionSpan, ...]:
@@ -193,31 +281,32 @@ class Store:
 
     # --- lineage views (store.lineage) ------------------------------------------------------
 
+    @_operation
     def version_tokens(self, rollout_id: str | None = None) -> dict[int, int]:
         """Generated tokens per policy version, store-wide or of one rollout (every attempt)."""
-        self._ready()
         return versions.version_tokens(self._reader, arguments.optional_text("rollout_id", rollout_id))
 
+    @_operation
     def rollout_versions(self, rollout_id: str | None = None) -> list[RolloutVersions]:
         """Per rollout: generated tokens per policy version, and its oldest and newest version."""
-        self._ready()
         return versions.rollout_versions(self._reader, arguments.optional_text("rollout_id", rollout_id))
 
+    @_operation
     def stale(self, current_version: int, max_lag: int) -> StaleReport:
         """Calls holding tokens more than ``max_lag`` versions behind ``current_version``, with counts."""
-        self._ready()
         return versions.stale(self._reader, current_version, max_lag)
 
+    @_operation
     def rollouts(self) -> list[RolloutSummary]:
         """Every rollout, its attempts grouped under it, sorted by id."""
-        self._ready()
         return tree.rollouts(self._reader)
 
+    @_operation
     def lineage(self, rollout_id: str) -> RolloutLineage | None:
         """The call tree of a rollout over every attempt (parents, continuations, states, versions), or None."""
-        self._ready()
         return tree.lineage(self._reader, arguments.text("rollout_id", rollout_id))
 
+    @_operation
     def linearize(self, rollout_id: str) -> LinearizedRollout:
         """Verify and linearize a rollout (every attempt) from the log: ``rows[0]`` is its terminal chain.
 
@@ -225,9 +314,9 @@ class Store:
         selection of wire-contract 6.3, admission times from the admission events), then
         ``verify_and_linearize_all`` runs; its ``ReceiptVerificationError`` codes say why not.
         """
-        self._ready()
         return lineage_linearize.linearize_rollout(self._reader, arguments.text("rollout_id", rollout_id))
 
+    @_operation
     def export_jsonl(
         self,
         file: str | os.PathLike[str] | IO[str] | IO[bytes],
@@ -240,15 +329,15 @@ class Store:
         Streams one rollout at a time.  Rollouts that fail to verify write nothing and are
         listed in the report with their code; ``progress(done, total)`` is called per rollout.
         """
-        self._ready()
         wanted = None if rollout_ids is None else arguments.texts("rollout_ids", rollout_ids)
         return export.export_jsonl(self._reader, file, wanted, progress)
 
+    @_operation
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""
-        self._ready()
         return replay(self._engine, self._backend, repair=arguments.flag("repair", repair))
 
+    @_operation
     def audit(self, *, progress: Callable[[int, int], object] | None = None) -> AuditReport:
         """Check the whole store in one streaming pass and report every problem found.
 
@@ -257,7 +346,6 @@ class Store:
         and that the projections equal a replay.  ``progress(done, total)`` is called with
         events done as the pass goes on.
         """
-        self._ready()
         if progress is not None and not callable(progress):
             raise InvalidRecordError(f"audit() progress must be callable, got {type(progress).__name__}")
         from store.audit import audit_store  # the audit builds on the store, never the other way
@@ -266,20 +354,21 @@ class Store:
 
     # --- events the worker capture appends ----------------------------------------------------
 
+    @_operation
     def record_admission(self, rollout_id: str, model_call_id: str, body: AdmissionBody) -> None:
-        self._ready()
         arguments.stream(rollout_id, model_call_id)
         arguments.body(EventKind.CALL_ADMITTED, body)
         event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
+    @_operation
     def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        self._ready()
         arguments.stream(rollout_id, model_call_id)
         body = FailureBody(reason=arguments.text("reason", reason, empty=True))
         event = NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)
 
+    @_operation
     def clear_keys(self, rollout_id: str, model_call_id: str, keys: Sequence[str], reason: str) -> None:
         """Withdraw staged cut keys of one call (a rolled-back cut, or chunks made obsolete).
 
@@ -287,7 +376,6 @@ class Store:
         call's own cut and flush keys may be withdrawn: any other key is refused
         (``InvalidRecordError``) and nothing is written.
         """
-        self._ready()
         arguments.stream(rollout_id, model_call_id)
         wanted = list(dict.fromkeys(arguments.texts("clear_keys() keys", keys)))
         reason = arguments.text("reason", reason, empty=True)
@@ -303,15 +391,15 @@ class Store:
         if wanted:
             self._log.write(work, durable=False)  # a key that reappears after power loss is harmless
 
+    @_operation
     def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
         """The call's latest terminal record: its key, digest, generated count and how it finished."""
-        self._ready()
         arguments.stream(rollout_id, model_call_id)
         return self._reader.completion(rollout_id, model_call_id)
 
+    @_operation
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         """The receipt (JSON) already returned for this inventory, if any."""
-        self._ready()
         arguments.text("checkpoint_id", checkpoint_id)
         arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
@@ -319,11 +407,23 @@ class Store:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._log.close()
-        self._engine.dispose()
+        """Close the store.  Calls in flight finish first; a write queued behind the batch being
+        committed raises ``StoreClosedError``.  Once ``close()`` returns nothing more commits
+        and no connection stays open; every later call raises ``StoreClosedError``."""
+        with self._gate_lock:
+            if self._closed:
+                while not self._shut:  # another thread is closing it
+                    self._gate.wait()
+                return
+            self._closed = True
+            try:
+                self._log.close()
+                while self._active:
+                    self._gate.wait()
+                self._engine.dispose()
+            finally:
+                self._shut = True
+                self._gate.notify_all()
 
     def __enter__(self) -> Store:
         return self
@@ -364,6 +464,41 @@ def _owned(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) 
             f"{rollout_id}/{model_call_id} cannot withdraw it"
         )
     return state is not None
+
+
+_LIVE_STORES: weakref.WeakSet[Store] = weakref.WeakSet()
+_REGISTRY_LOCK = threading.Lock()
+_FORKING: list[Store] = []  # the stores held still by the fork in progress
+
+
+def _track_for_fork(store: Store) -> None:
+    with _REGISTRY_LOCK:
+        _LIVE_STORES.add(store)
+
+
+def _before_fork() -> None:
+    with _REGISTRY_LOCK:
+        _FORKING[:] = list(_LIVE_STORES)
+    for store in _FORKING:
+        store._before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for store in _FORKING:
+        store._after_fork_in_parent()
+    _FORKING.clear()
+
+
+def _after_fork_in_child() -> None:
+    global _REGISTRY_LOCK
+    _REGISTRY_LOCK = threading.Lock()
+    for store in _FORKING:
+        store._after_fork_in_child()
+    _FORKING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def open_store(url_or_path: str | os.PathLike[str], *, durability: str = "full") -> Store:

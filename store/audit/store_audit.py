@@ -110,19 +110,13 @@ def audit_store(engine: Engine, backend: Backend, progress: Progress | None = No
     """Audit the whole store in one read transaction (a consistent snapshot)."""
     try:
         with engine.connect() as connection, paused_gc():
-            _begin_snapshot(connection, backend)
+            connection.exec_driver_sql(backend.begin_snapshot_sql)  # a consistent read, no write lock
             report = _Audit(connection, progress).run()
             connection.rollback()
     except driver_errors(engine) as exc:
         raise storage_error("auditing the store", exc) from exc
     return report
 
-
-def _begin_snapshot(connection: sa.Connection, backend: Backend) -> None:
-    if backend.name == "postgresql":
-        connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-    else:
-        connection.exec_driver_sql("BEGIN")  # a deferred read transaction: WAL gives a snapshot
 
 
 class _Audit:

@@ -1,0 +1,571 @@
+"""The write path and the store's lifecycle under faults: a fork while another thread writes,
+an interrupt in the group-commit leader, close() racing stage(), replay beside writers, the
+WAL's size after a long reader, and a durable acknowledgement of a record written unsynced."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from factories import make_record
+
+from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_store
+from store import engine as engine_module
+from store import replay as replay_module
+from store.errors import StorageError
+from store.log import EventLog
+
+HANG = 60.0  # seconds after which a thread or child that has not finished is taken as hung
+
+
+def raw_engine(store_url: str) -> sa.Engine:
+    if "://" not in store_url:
+        return sa.create_engine(f"sqlite:///{store_url}")
+    return sa.create_engine(store_url.replace("postgresql://", "postgresql+psycopg://", 1))
+
+
+def scalar(store_url: str, sql: str) -> Any:
+    engine = raw_engine(store_url)
+    try:
+        with engine.connect() as connection:
+            return connection.execute(sa.text(sql)).scalar()
+    finally:
+        engine.dispose()
+
+
+def run_in_thread(body: Callable[[], Any]) -> Callable[[], Any]:
+    """Start ``body`` on a thread; the returned function joins it (failing if it hangs) and returns its result."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = body()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def join() -> Any:
+        thread.join(HANG)
+        assert not thread.is_alive(), "the call hung"
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("result")
+
+    return join
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    """Closed on a thread at teardown, so a wedged store fails its test instead of hanging the run."""
+    opened = open_store(store_url)
+    yield opened
+    run_in_thread(opened.close)()
+
+
+def outcome_of(body: Callable[[], Any]) -> Any:
+    """What ``body`` returns, or the exception it raises (an interrupt included)."""
+    try:
+        return body()
+    except BaseException as exc:  # returned for the test to inspect
+        return exc
+
+
+def wait_for_child(pid: int) -> int:
+    """The child's exit code; a child still running after HANG seconds is killed and fails the test."""
+    deadline = time.monotonic() + HANG
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"forked child {pid} hung")
+
+
+# --- 2: fork while another thread writes ---------------------------------------------------------
+
+FORKS = 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_another_thread_writes_can_stage(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_store(store_url) as opened:
+        stop = threading.Event()
+        staged: list[str] = []
+
+        def stage_continuously() -> None:
+            while not stop.is_set():
+                record = make_record(rollout_id="busy-parent", model_call_id=f"c{len(staged)}")
+                assert opened.stage(record).ok
+                staged.append(record.staging_key)
+
+        finish = run_in_thread(stage_continuously)
+        children: list[StagedCallRecord] = []
+        try:
+            for trial in range(FORKS):
+                while len(staged) < 2 * (trial + 1):  # the parent's thread is writing when we fork
+                    time.sleep(0.001)
+                child_record = make_record(rollout_id="forked-child", model_call_id=f"c{trial}")
+                children.append(child_record)
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    code = 1
+                    try:
+                        # A child that inherited the parent's lock bookkeeping would wait this long, then fail.
+                        engine_module.BUSY_TIMEOUT_MS = 3000
+                        code = 0 if opened.stage(child_record).ok else 2
+                    finally:
+                        os._exit(code)
+                assert wait_for_child(pid) == 0, f"the child of fork {trial} could not stage"
+        finally:
+            stop.set()
+            finish()
+        keys = [record.staging_key for record in children] + staged
+        fetched = opened.fetch(keys)
+        assert [snapshot.digest for snapshot in fetched[: len(children)]] == [r.digest for r in children]
+        assert opened.replay().ok
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_keeps_staging_after_the_parent_closes_its_store(tmp_path: Path) -> None:
+    """The child's SQLite connections hold their own locks, not the parent's bookkeeping: when
+    the parent closes its last connection, SQLite must not fold and delete the WAL the child
+    is still writing."""
+    path = tmp_path / "forked.db"
+    opened = open_store(path)
+    assert opened.stage(make_record(model_call_id="parent")).ok
+    to_child_r, to_child_w = os.pipe()
+    to_parent_r, to_parent_w = os.pipe()
+    records = [make_record(rollout_id="forked-child", model_call_id=f"c{i}") for i in range(2)]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            first = opened.stage(records[0]).ok
+            os.write(to_parent_w, b"1")
+            os.read(to_child_r, 1)  # the parent has closed its store
+            second = opened.stage(records[1]).ok
+            code = 0 if first and second else 2
+        finally:
+            os._exit(code)
+    assert os.read(to_parent_r, 1) == b"1"
+    opened.close()
+    os.write(to_child_w, b"1")
+    assert wait_for_child(pid) == 0
+    for descriptor in (to_child_r, to_child_w, to_parent_r, to_parent_w):
+        os.close(descriptor)
+    with open_store(path) as reopened:
+        fetched = reopened.fetch([record.staging_key for record in records])
+        assert [snapshot.digest for snapshot in fetched] == [record.digest for record in records]
+
+
+# --- 13: an interrupt in the group-commit leader ---------------------------------------------------
+
+
+def test_an_interrupt_while_taking_the_writer_role_does_not_wedge_the_store(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = EventLog._gather
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted(self: EventLog) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        original(self)
+
+    monkeypatch.setattr(EventLog, "_gather", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.stage(make_record(model_call_id="interrupted"))
+    after = make_record(model_call_id="after")
+    assert run_in_thread(lambda: store.stage(after))().ok
+    assert store.fetch([after.staging_key])[0].digest == after.digest
+    run_in_thread(store.close)()
+
+
+def test_a_follower_whose_leader_was_interrupted_before_writing_is_still_written(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader takes a batch with a follower in it, then is interrupted before writing:
+    the follower must neither wait for ever nor return without its write."""
+    leader_gathering = threading.Event()
+    gather, write_batch = EventLog._gather, EventLog._write_batch
+    first = [True]
+
+    def gather_with_follower(self: EventLog) -> None:
+        if first[0]:
+            first[0] = False
+            self._gathering = True
+            leader_gathering.set()
+            self._arrived.wait_for(lambda: len(self._queue) >= 2, timeout=HANG)
+            self._gathering = False
+            return
+        gather(self)
+
+    def interrupted_once(self: EventLog, batch: list[Any]) -> None:
+        if len(batch) == 2 and not getattr(self, "_interrupted", False):
+            self._interrupted = True  # type: ignore[attr-defined]
+            raise KeyboardInterrupt
+        write_batch(self, batch)
+
+    monkeypatch.setattr(EventLog, "_gather", gather_with_follower)
+    monkeypatch.setattr(EventLog, "_write_batch", interrupted_once)
+    leader_record, follower_record = make_record(model_call_id="leader"), make_record(model_call_id="follower")
+    leader = run_in_thread(lambda: store.stage(leader_record))
+    assert leader_gathering.wait(HANG)
+    follower = run_in_thread(lambda: store.stage(follower_record))
+    with pytest.raises(KeyboardInterrupt):
+        leader()
+    result = follower()
+    assert isinstance(result, StageResult) and result.ok
+    assert store.fetch([follower_record.staging_key])[0].digest == follower_record.digest
+    assert run_in_thread(lambda: store.stage(make_record(model_call_id="later")))().ok
+    run_in_thread(store.close)()
+
+
+def test_an_interrupt_while_a_batch_is_written_gives_followers_a_store_error(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt inside the batch belongs to the leader's thread; its followers get a
+    ``StorageError`` (never the leader's ``KeyboardInterrupt``) and the store stays usable."""
+    followers_queued = threading.Event()
+    gather, run_batch = EventLog._gather, EventLog._run_batch
+
+    def gather_with_follower(self: EventLog) -> None:
+        if not followers_queued.is_set():
+            self._gathering = True
+            followers_queued.set()
+            self._arrived.wait_for(lambda: len(self._queue) >= 2, timeout=HANG)
+            self._gathering = False
+            return
+        gather(self)
+
+    def interrupted(self: EventLog, batch: list[Any], durable: bool, isolate: bool) -> None:
+        if len(batch) == 2:
+            raise KeyboardInterrupt
+        run_batch(self, batch, durable, isolate)
+
+    monkeypatch.setattr(EventLog, "_gather", gather_with_follower)
+    monkeypatch.setattr(EventLog, "_run_batch", interrupted)
+    leader = run_in_thread(lambda: store.stage(make_record(model_call_id="leader")))
+    assert followers_queued.wait(HANG)
+    follower = run_in_thread(lambda: outcome_of(lambda: store.stage(make_record(model_call_id="follower"))))
+    with pytest.raises(KeyboardInterrupt):
+        leader()
+    error = follower()
+    assert isinstance(error, StorageError) and "interrupted" in str(error)
+    assert run_in_thread(lambda: store.stage(make_record(model_call_id="later")))().ok
+    run_in_thread(store.close)()
+
+
+def test_an_interrupt_while_the_leader_leaves_still_gives_the_writer_role_back(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = EventLog._leave
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_on_entry(self: EventLog, pending: Any) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        original(self, pending)
+
+    monkeypatch.setattr(EventLog, "_leave", interrupted_on_entry)
+    with pytest.raises(KeyboardInterrupt):
+        store.stage(make_record(model_call_id="interrupted"))
+    assert run_in_thread(lambda: store.stage(make_record(model_call_id="after")))().ok
+    run_in_thread(store.close)()
+
+
+def test_an_interrupt_while_a_call_is_counted_out_does_not_keep_close_waiting(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = Store._leave
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_on_entry(self: Store, entered: list[bool]) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        original(self, entered)
+
+    monkeypatch.setattr(Store, "_leave", interrupted_on_entry)
+    with pytest.raises(KeyboardInterrupt):
+        store.calls()
+    run_in_thread(store.close)()
+
+
+# --- 14: close() racing stage() --------------------------------------------------------------------
+
+CLOSE_TRIALS = 12
+STAGERS = 8
+
+
+def open_descriptors(path: str) -> list[str]:
+    """This process's file descriptors on the SQLite store (database, -wal, -shm)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(path):
+            found.append(target)
+    return found
+
+
+def postgres_backends(store_url: str) -> int:
+    """Other server backends connected to the test database (the counting one excluded)."""
+    return int(
+        scalar(
+            store_url,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+    )
+
+
+def connections_left(store_url: str, baseline: int) -> int:
+    if "://" not in store_url:
+        return len(open_descriptors(store_url))
+    deadline = time.monotonic() + HANG  # a server backend exits a moment after its client closes
+    while (count := postgres_backends(store_url) - baseline) > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count
+
+
+def event_count(store_url: str) -> int:
+    return int(scalar(store_url, "SELECT count(*) FROM events"))
+
+
+Outcome = tuple[bool, StagedCallRecord, object]  # (the stage began after close() returned, record, result or error)
+
+
+def stage_until_closed(
+    opened: Store, name: str, started: threading.Barrier, closed: threading.Event, progress: list[str]
+) -> list[Outcome]:
+    started.wait()
+    outcomes: list[Outcome] = []
+    for n in range(1_000):
+        record = make_record(rollout_id=name, model_call_id=f"c{n}")
+        after_close = closed.is_set()
+        try:
+            outcome: object = opened.stage(record)
+        except StoreClosedError as exc:
+            outcome = exc
+        outcomes.append((after_close, record, outcome))
+        progress.append(name)
+        if isinstance(outcome, StoreClosedError):
+            break
+    return outcomes
+
+
+def read_until_closed(opened: Store, key: str, started: threading.Barrier) -> None:
+    started.wait()
+    while True:
+        try:
+            opened.fetch([key])
+            opened.calls()
+        except StoreClosedError:
+            return
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_close_racing_stagers_commits_nothing_after_it_returns_and_leaves_nothing_open(store_url: str) -> None:
+    baseline = 0 if "://" not in store_url else postgres_backends(store_url)
+    acknowledged: list[str] = []
+    for trial in range(CLOSE_TRIALS):
+        opened = open_store(store_url)
+        closed, started, progress = threading.Event(), threading.Barrier(STAGERS + 1), list[str]()
+        stagers = [
+            run_in_thread(functools.partial(stage_until_closed, opened, f"t{trial}-s{i}", started, closed, progress))
+            for i in range(STAGERS)
+        ]
+        started.wait()
+        while len(progress) < 4 + trial:  # close at a different point of the stream each trial
+            time.sleep(0.0005)
+        opened.close()
+        closed.set()
+        events_when_closed = event_count(store_url)
+        outcomes = [outcome for join in stagers for outcome in join()]
+        assert event_count(store_url) == events_when_closed, f"trial {trial}: a stage committed after close()"
+        assert connections_left(store_url, baseline) == 0, f"trial {trial}: a connection stayed open"
+        for after_close, record, outcome in outcomes:
+            if after_close:
+                assert isinstance(outcome, StoreClosedError), f"trial {trial}: a stage after close() gave {outcome!r}"
+            if isinstance(outcome, StageResult):
+                assert outcome.ok
+                acknowledged.append(record.staging_key)
+            else:
+                assert isinstance(outcome, StoreClosedError), outcome
+    with open_store(store_url) as reopened:
+        assert len(reopened.fetch(acknowledged)) == len(acknowledged)
+        assert reopened.replay().ok
+        assert event_count(store_url) == len(acknowledged)  # nothing committed that was not acknowledged
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_reads_racing_close_leave_no_connection_open(store_url: str) -> None:
+    baseline = 0 if "://" not in store_url else postgres_backends(store_url)
+    with open_store(store_url) as opened:
+        record = make_record()
+        assert opened.stage(record).ok
+    for _ in range(CLOSE_TRIALS):
+        opened = open_store(store_url)
+        started = threading.Barrier(STAGERS + 1)
+        readers = [
+            run_in_thread(functools.partial(read_until_closed, opened, record.staging_key, started))
+            for _ in range(STAGERS)
+        ]
+        started.wait()
+        opened.close()
+        for join in readers:
+            join()
+        assert connections_left(store_url, baseline) == 0
+
+
+# --- 15: replay beside writers ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def paused_replay(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Replay pauses after folding the log, inside its transaction, until ``resume`` is set."""
+    folded, resume = threading.Event(), threading.Event()
+    live_tables = replay_module.live_tables
+
+    def pausing(connection: sa.Connection) -> Any:
+        folded.set()
+        assert resume.wait(HANG)
+        return live_tables(connection)
+
+    monkeypatch.setattr(replay_module, "live_tables", pausing)
+    yield folded, resume
+    resume.set()
+
+
+Pause = tuple[threading.Event, threading.Event]
+
+
+def test_a_replay_check_reads_a_snapshot_and_does_not_block_writers(
+    store_url: str, store: Store, monkeypatch: pytest.MonkeyPatch, paused_replay: Pause
+) -> None:
+    folded, resume = paused_replay
+    for i in range(3):
+        assert store.stage(make_record(model_call_id=f"before-{i}")).ok
+    report = run_in_thread(store.replay)
+    assert folded.wait(HANG)
+    monkeypatch.setattr(engine_module, "BUSY_TIMEOUT_MS", 1000)  # a stager that would wait for the lock fails
+    with open_store(store_url) as other:
+        during = make_record(model_call_id="during")
+        assert run_in_thread(lambda: other.stage(during))().ok  # not blocked by the replay
+    resume.set()
+    result = report()
+    assert result.ok and result.events == 3  # one snapshot: the stage made during the fold is in neither side
+    assert store.replay().events == 4
+
+
+def test_a_replay_repair_holds_the_write_lock_while_it_folds(
+    store_url: str, store: Store, paused_replay: Pause
+) -> None:
+    folded, resume = paused_replay
+    assert store.stage(make_record(model_call_id="before")).ok
+    report = run_in_thread(lambda: store.replay(repair=True))
+    assert folded.wait(HANG)
+    with open_store(store_url) as other:
+        during = make_record(model_call_id="during")
+        staged = run_in_thread(lambda: other.stage(during))
+        time.sleep(0.2)  # not an assertion on time: gives the stager a chance to overtake the repair
+        resume.set()
+        assert report().ok
+        assert staged().ok
+    report_after = store.replay()
+    assert report_after.ok and report_after.events == 2
+
+
+# --- 16: the WAL shrinks after a long reader ------------------------------------------------------
+
+
+def test_the_wal_is_truncated_after_a_long_reader_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    limit = 256 * 1024
+    monkeypatch.setattr(engine_module, "WAL_SIZE_LIMIT_BYTES", limit)
+    path = tmp_path / "wal.db"
+    wal = Path(f"{path}-wal")
+    big = [i % 50_000 + 70_000 for i in range(4096)]  # ids beyond u16: 4 bytes each
+    with open_store(path, durability="normal") as opened:
+        reader = sqlite3.connect(path, isolation_level=None)
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM events").fetchone()  # holds its snapshot: no checkpoint can finish
+        for i in range(120):
+            assert opened.stage(make_record(model_call_id=f"grow-{i}", generated=big)).ok
+        peak = wal.stat().st_size
+        assert peak > 16 * limit  # the WAL grew behind the reader
+        reader.execute("COMMIT")
+        reader.close()
+        for i in range(2):  # the first commit checkpoints everything, the next restarts the WAL
+            assert opened.stage(make_record(model_call_id=f"after-{i}")).ok
+        assert wal.stat().st_size <= limit
+
+
+# --- 17: a durable acknowledgement of a record written without a sync -------------------------------
+
+
+def test_a_durable_restage_of_an_unsynced_record_syncs_the_wal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "sync.db"
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def counting_fsync(descriptor: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        fsync(descriptor)
+
+    record = make_record()
+    with open_store(path, durability="normal") as normal, open_store(path) as durable:
+        assert normal.stage(record).ok  # committed, not synced
+        monkeypatch.setattr(os, "fsync", counting_fsync)
+        assert durable.stage(record).ok  # acknowledged durably: must sync what it acknowledges
+        assert synced == [f"{path}-wal"]
+        synced.clear()
+        assert durable.stage(make_record(model_call_id="new")).ok  # a commit that writes syncs by itself
+        assert synced == []
+        assert normal.stage(make_record(model_call_id="normal")).ok  # a normal store never syncs
+        assert normal.stage(make_record(model_call_id="normal")).ok
+        assert synced == []
+
+
+@pytest.mark.skipif(not os.environ.get("STORE_TEST_POSTGRES_URL"), reason="needs STORE_TEST_POSTGRES_URL")
+def test_a_durable_restage_on_postgres_commits_a_record_that_flushes_the_log(store_url: str) -> None:
+    if "://" not in store_url:
+        pytest.skip("PostgreSQL only")
+    record = make_record()
+    with open_store(store_url, durability="normal") as normal, open_store(store_url) as durable:
+        assert normal.stage(record).ok
+        xids: list[Any] = []
+        writer = durable._log._writer
+
+        class Recording:
+            """The writer connection; notes whether each commit carries a transaction id."""
+
+            def __init__(self, connection: Any) -> None:
+                self._connection = connection
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._connection, name)
+
+            def commit(self) -> None:
+                with self._connection.cursor() as cursor:
+                    xids.append(cursor.execute("SELECT txid_current_if_assigned()").fetchone()[0])
+                self._connection.commit()
+
+        durable._log._writer = lambda: Recording(writer())  # type: ignore[method-assign]
+        assert durable.stage(record).ok
+        # A commit with a transaction id writes a commit record and, with synchronous_commit
+        # on, waits until the log is flushed up to it (the unsynced commit included).
+        assert len(xids) == 1 and xids[0] is not None
