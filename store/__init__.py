@@ -92,13 +92,13 @@ from store.records import (
     to_msgpack,
 )
 from store.replay import ReplayDifference, ReplayReport
+from store.routed_rows import with_routed_experts
 from store.routes import (
     MISSING_ROUTE_SENTINEL,
     ROUTED_EXPERTS_ENVELOPE_VERSION,
     RoutedExperts,
     decode_routed_experts,
     encode_routed_experts,
-    with_routed_experts,
 )
 from store.store import StageEntry, Store, open_store
 from store.terminal import (

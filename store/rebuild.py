@@ -5,7 +5,7 @@ one snapshot per manifest row, and gets token-exact training rows back, or a
 ``ReceiptVerificationError``/``RebuildError`` whose ``code`` names the first failed check.
 The checks run in the contract's order.  Extras payloads are never read: each row carries
 the receipt-bound extras digests (``extras_commitments``) for consumers to verify at their
-point of use, as ``store.routes.with_routed_experts`` does.
+point of use, as ``store.routed_rows.with_routed_experts`` does.
 """
 
 from __future__ import annotations
