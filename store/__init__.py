@@ -5,8 +5,9 @@ the tokens of still-decoding calls so a replacement call can continue from a pro
 prefix.  Everything is an event in one append-only log; tables are projections of it.
 """
 
+from store.active_call import ActiveCall, Continuation
 from store.audit import AuditProblem, AuditReport
-from store.capture import ActiveCall, CaptureAdapter, Continuation, RolloutTokenCapture
+from store.capture import CaptureAdapter, RolloutTokenCapture
 from store.columns import FloatColumn, TokenIds
 from store.cut_records import (
     GenerationCutInventory,

@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
-from store.columns import FloatColumn, TokenIds
+from store.active_call import (
+    ActiveCall,
+    build_generation_chunk_record,
+    build_prefix_record,
+    check_active,
+    record_spans,
+    token_ids,
+)
+from store.columns import TokenIds
 from store.cut_records import GenerationCutInventory, GenerationCutReceipt
 from store.cuts import CutServer, resolve_continuation
-from store.digest import build_staging_delta, compute_chain_hash, hash_token_columns, u64
+from store.digest import compute_chain_hash, hash_token_columns, u64
 from store.errors import (
     AdmissionTypeError,
-    CaptureDataError,
     CaptureError,
     DigestValueError,
     StreamingUnsupportedError,
@@ -55,104 +58,6 @@ class CaptureAdapter(Protocol):
     def extract_extras(self, payload: Any) -> Mapping[str, Any] | None: ...
 
 
-@dataclass(frozen=True)
-class Continuation:
-    """How a replacement call continues a restored cut (wire-contract 5.6, 5.8)."""
-
-    engine_prompt_token_ids: TokenIds
-    restored_token_ids: TokenIds
-    restored_logprobs: FloatColumn
-    generation_token_count: int
-    effective_output_limit: int
-    terminal_finish_reason: str | None
-    terminal_stop_reason: str | int | None
-
-    @property
-    def remaining_output_limit(self) -> int:
-        return max(0, self.effective_output_limit - self.generation_token_count)
-
-    def remaining_limits(self, min_tokens: int = 0) -> tuple[int, int]:
-        """``(max_tokens, min_tokens)`` for the engine: both reduced by the restored count."""
-        return self.remaining_output_limit, max(0, min_tokens - self.generation_token_count)
-
-    @property
-    def is_terminal(self) -> bool:
-        """The restored prefix is the whole answer: the cut had finished, or the limit is reached."""
-        return self.terminal_finish_reason is not None or self.remaining_output_limit == 0
-
-    @property
-    def finish_reason(self) -> str | None:
-        if self.terminal_finish_reason is not None:
-            return self.terminal_finish_reason
-        return "length" if self.remaining_output_limit == 0 else None
-
-
-class ActiveCall:
-    """One admitted call: its admission, stamped version, resolved prefix and restored cut."""
-
-    def __init__(
-        self,
-        admission: CaptureAdmission,
-        weight_version: int,
-        prefix_token_ids: TokenIds,
-        generation_cut: StagedCallBaseSnapshot | None,
-        restored_spans: Sequence[Span],
-    ) -> None:
-        self.admission = admission
-        self.weight_version = weight_version
-        self.prefix_token_ids = prefix_token_ids
-        self.generation_cut = generation_cut
-        self.restored_spans: tuple[Span, ...] = tuple(restored_spans)
-        self._completed = False
-        self._completion_lock = threading.Lock()
-
-    @property
-    def capture_key(self) -> str:
-        return self.admission.rollout_id
-
-    @property
-    def model_call_id(self) -> str:
-        return self.admission.model_call_id
-
-    @property
-    def completed(self) -> bool:
-        return self._completed
-
-    @property
-    def oldest_weight_version(self) -> int:
-        if self.generation_cut is None:
-            return self.weight_version
-        return min(self.generation_cut.weight_version, self.weight_version)
-
-    @property
-    def continuation(self) -> Continuation | None:
-        """For a call that continues a restored cut: its engine prompt and remaining budget."""
-        cut, continuation = self.generation_cut, self.admission.generation_cut
-        if cut is None or continuation is None:
-            return None
-        ids, mask = cut.columns.token_ids, cut.columns.token_mask
-        generated = mask.array == 1.0
-        return Continuation(
-            engine_prompt_token_ids=TokenIds.concat([self.prefix_token_ids, ids]),
-            restored_token_ids=TokenIds(ids.array[generated].copy()),
-            restored_logprobs=FloatColumn.coerce(cut.columns.log_probs.array[generated], "restored log-probs"),
-            generation_token_count=continuation.generation_token_count,
-            effective_output_limit=continuation.effective_output_limit,
-            terminal_finish_reason=continuation.terminal_finish_reason,
-            terminal_stop_reason=continuation.terminal_stop_reason,
-        )
-
-    def claim_completion(self) -> None:
-        """Claim the call's single completion; a second claim is a caller bug."""
-        with self._completion_lock:
-            if self._completed:
-                raise CaptureError(f"call {self.capture_key}/{self.model_call_id} already completed")
-            self._completed = True
-
-    def __repr__(self) -> str:
-        return f"ActiveCall({self.capture_key}/{self.model_call_id}, weight_version={self.weight_version})"
-
-
 class RolloutTokenCapture:
     """Worker-side capture over a ``Store`` used as staging sink and source."""
 
@@ -175,7 +80,7 @@ class RolloutTokenCapture:
         self._weight_version_fn = weight_version_fn
         self.adapter = adapter
         self.cuts = CutServer(
-            self,
+            store,
             flush_threshold_tokens=flush_threshold_tokens,
             flush_interval=flush_interval,
             evidence_ttl=completion_evidence_ttl,
@@ -263,79 +168,25 @@ class RolloutTokenCapture:
         extras: Mapping[str, Any] | None = None,
     ) -> StagedCallRecord:
         """A validated snapshot of a live call, without touching its completion state."""
-        _active(call)
-        admission = call.admission
-        prompt = _ids(prompt_token_ids, "prompt_token_ids")
-        generated = _ids(generated_token_ids, "generated_token_ids")
-        logprobs = _floats(generated_logprobs, "generated_logprobs")
-        if len(generated) != len(logprobs):
-            raise CaptureDataError("generated token ids and log-probs lengths differ")
-        prev_len = admission.prev_len
-        if admission.mode == "token_in" and not np.array_equal(prompt.array[:prev_len], call.prefix_token_ids.array):
-            raise CaptureDataError("the prompt does not start with the call's verified parent prefix")
-        cut = call.generation_cut
-        if cut is None:
-            columns = build_staging_delta(prompt, generated, logprobs, prev_len)
-            ids, mask, lps = columns.token_ids, columns.token_mask, columns.log_probs
-        else:
-            cut_columns = cut.columns
-            expected = TokenIds.concat([call.prefix_token_ids, cut_columns.token_ids])
-            if expected != prompt:
-                raise CaptureDataError("a continued call's prompt must be exactly its prefix plus the cut tokens")
-            ids = TokenIds.concat([cut_columns.token_ids, generated])
-            mask = FloatColumn.concat([cut_columns.token_mask, FloatColumn.filled(1.0, len(generated))])
-            lps = FloatColumn.concat([cut_columns.log_probs, logprobs])
-        return StagedCallRecord.from_components(
-            rollout_id=admission.rollout_id,
-            model_call_id=admission.model_call_id,
-            parent_call_id=admission.parent_call_id,
-            mode="token_in" if admission.mode == "token_in" else "text",
-            prev_len=prev_len,
-            weight_version=call.oldest_weight_version,
-            token_ids_delta=ids,
-            token_mask_delta=mask,
-            generation_log_probs_delta=lps,
-            chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
-            cumulative_hash=hash_token_columns(prompt, generated),
+        return build_prefix_record(
+            call,
+            prompt_token_ids=prompt_token_ids,
+            generated_token_ids=generated_token_ids,
+            generated_logprobs=generated_logprobs,
             extras=extras,
-            schema_version=admission.schema_version,
         )
 
     def build_generation_chunk_record(
         self, call: ActiveCall, *, generated_token_ids: Sequence[int], generated_logprobs: Sequence[float]
     ) -> StagedCallRecord:
         """Only newly generated tokens, at the call's current version (chunk-local hashes)."""
-        _active(call)
-        admission = call.admission
-        ids = _ids(generated_token_ids, "generated_token_ids")
-        logprobs = _floats(generated_logprobs, "generated_logprobs")
-        if not len(ids):
-            raise CaptureDataError("a generation chunk needs at least one generated token")
-        if len(ids) != len(logprobs):
-            raise CaptureDataError("generated token ids and log-probs lengths differ")
-        return StagedCallRecord.from_components(
-            rollout_id=admission.rollout_id,
-            model_call_id=admission.model_call_id,
-            parent_call_id=admission.parent_call_id,
-            mode="token_in" if admission.mode == "token_in" else "text",
-            prev_len=admission.prev_len,
-            weight_version=call.weight_version,
-            token_ids_delta=ids,
-            token_mask_delta=FloatColumn.filled(1.0, len(ids)),
-            generation_log_probs_delta=logprobs,
-            chain_hash=compute_chain_hash(admission.parent_chain_hash, ids),
-            cumulative_hash=hash_token_columns(call.prefix_token_ids, ids),
-            schema_version=admission.schema_version,
+        return build_generation_chunk_record(
+            call, generated_token_ids=generated_token_ids, generated_logprobs=generated_logprobs
         )
 
     def record_spans(self, call: ActiveCall, record: StagedCallRecord) -> list[Span]:
         """Which policy version generated which positions of a record built for ``call``."""
-        _active(call)
-        if not isinstance(record, StagedCallBaseSnapshot):
-            raise CaptureError(f"record_spans needs a staged record, got {type(record).__name__}")
-        restored = len(call.generation_cut.token_ids_delta) if call.generation_cut is not None else 0
-        tail = record.columns.token_mask[restored:]
-        return [*call.restored_spans, *generated_spans(tail, call.weight_version, offset=restored)]
+        return record_spans(call, record)
 
     # --- completion (4.9 - 4.11) -------------------------------------------------------------------
 
@@ -349,7 +200,7 @@ class RolloutTokenCapture:
         extras: Mapping[str, Any] | None = None,
     ) -> CommitCoords:
         """Build, claim, stage, then return coordinates; data problems give ``capture_failed``."""
-        _active(call)
+        check_active(call)
         with self.cuts.terminal_gate(call) as gate:
             try:
                 record = self.build_prefix_record(
@@ -397,7 +248,7 @@ class RolloutTokenCapture:
 
     def complete_call_from_response(self, call: ActiveCall, payload: Any) -> CommitCoords:
         """Extract prompt, generation and extras with the adapter, then ``complete_call``."""
-        _active(call)
+        check_active(call)
         if self.adapter is None:
             raise CaptureError("complete_call_from_response needs a CaptureAdapter")
         try:
@@ -414,7 +265,7 @@ class RolloutTokenCapture:
 
     def finish_restored_call(self, call: ActiveCall) -> CommitCoords:
         """Complete a continued call whose restored prefix is the whole answer (5.8)."""
-        _active(call)
+        check_active(call)
         continuation = call.continuation
         if continuation is None or not continuation.is_terminal:
             raise CaptureError("finish_restored_call needs a continued call whose cut is terminal")
@@ -427,7 +278,7 @@ class RolloutTokenCapture:
 
     def fail_call(self, call: ActiveCall, *, reason: str) -> CommitCoords:
         """Claim the call and return ``capture_failed`` coordinates."""
-        _active(call)
+        check_active(call)
         with self.cuts.terminal_gate(call):
             call.claim_completion()
             return self._failed(call, reason)
@@ -455,13 +306,13 @@ class RolloutTokenCapture:
 
     def track(self, call: ActiveCall, *, prompt_token_ids: Sequence[int], effective_output_limit: int | None) -> None:
         """Register a live call for cuts: its exact engine prompt and resolved output budget."""
-        _active(call)
+        check_active(call)
         limit = effective_output_limit
         if limit is not None and type(limit) is int and limit > _U64_MAX:  # acks and completions carry it as a u64
             raise CaptureError(
                 f"effective_output_limit must be at most 2**64-1, got an int of {limit.bit_length()} bits"
             )
-        self.cuts.track(call, _ids(prompt_token_ids, "prompt_token_ids"), limit)
+        self.cuts.track(call, token_ids(prompt_token_ids, "prompt_token_ids"), limit)
 
     def observe(
         self,
@@ -473,7 +324,7 @@ class RolloutTokenCapture:
         stop_reason: str | int | None = None,
     ) -> None:
         """Append newly decoded tokens of a tracked call."""
-        _active(call)
+        check_active(call)
         self.cuts.observe(call, token_ids, logprobs, finish_reason, stop_reason)
 
     def serve_generation_cut(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
@@ -580,11 +431,6 @@ def _admission_body(call: ActiveCall) -> AdmissionBody:
     )
 
 
-def _active(call: Any) -> None:
-    if not isinstance(call, ActiveCall):
-        raise CaptureError(f"expected the ActiveCall that begin_call returned, got {type(call).__name__}")
-
-
 def _check_flush_options(threshold: Any, interval: Any, ttl: Any) -> None:
     if type(threshold) is not int or threshold < 0:
         raise CaptureError(f"flush_threshold_tokens must be a non-negative int, got {threshold!r}")
@@ -596,17 +442,3 @@ def _check_flush_options(threshold: Any, interval: Any, ttl: Any) -> None:
 
 _MAX_FLUSH_INTERVAL = 3600.0
 _U64_MAX = 2**64 - 1
-
-
-def _ids(values: Sequence[int], name: str) -> TokenIds:
-    try:
-        return TokenIds.coerce(values, name)
-    except ValueError as exc:
-        raise CaptureDataError(str(exc)) from exc
-
-
-def _floats(values: Sequence[float], name: str) -> FloatColumn:
-    try:
-        return FloatColumn.coerce(values, name)
-    except ValueError as exc:
-        raise CaptureDataError(str(exc)) from exc

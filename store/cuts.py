@@ -11,11 +11,12 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from store import failpoints
+from store.active_call import ActiveCall, build_generation_chunk_record, build_prefix_record, record_spans
 from store.columns import FloatColumn, TokenIds
 from store.cut_records import (
     GenerationCutInventory,
@@ -40,9 +41,6 @@ from store.records import (
     trusted_snapshot,
 )
 from store.store import StageEntry, Store
-
-if TYPE_CHECKING:
-    from store.capture import ActiveCall, RolloutTokenCapture
 
 log = logging.getLogger("store.cuts")
 
@@ -377,10 +375,9 @@ class CutServer:
     """Serves cut requests and periodic flushes for the live calls of one capture."""
 
     def __init__(
-        self, capture: RolloutTokenCapture, *, flush_threshold_tokens: int, flush_interval: float, evidence_ttl: float
+        self, store: Store, *, flush_threshold_tokens: int, flush_interval: float, evidence_ttl: float
     ) -> None:
-        self._capture = capture
-        self._store = capture.store
+        self._store = store
         self._calls: dict[tuple[str, str], LiveCall] = {}
         self._registry = threading.Lock()
         self._evidence: dict[tuple[str, str], _Evidence] = {}
@@ -570,19 +567,17 @@ class CutServer:
         self, live: LiveCall, owner: str, frozen: _Frozen, generated: TokenIds, logprobs: FloatColumn
     ) -> tuple[StagedCallRecord, StageEntry | None]:
         """The cumulative record (whose digest a restore checks) and what to stage for the chunk."""
-        capture, call = self._capture, live.call
-        cumulative = capture.build_prefix_record(
+        call = live.call
+        cumulative = build_prefix_record(
             call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
         )
         if not len(frozen.ids):
             return cumulative, None
         key = chunk_staging_key(owner, call.capture_key, call.model_call_id, len(live.own_keys))
         if not live.keys:
-            spans = capture.record_spans(call, cumulative)
+            spans = record_spans(call, cumulative)
             return cumulative, StageEntry(cumulative, key, EventKind.PREFIX_STAGED, spans)
-        chunk = capture.build_generation_chunk_record(
-            call, generated_token_ids=frozen.ids, generated_logprobs=frozen.logprobs
-        )
+        chunk = build_generation_chunk_record(call, generated_token_ids=frozen.ids, generated_logprobs=frozen.logprobs)
         start = live.carry + len(generated) - len(frozen.ids)
         spans = [(start, start + len(frozen.ids), call.weight_version)]
         return cumulative, StageEntry(chunk, key, EventKind.CHUNK_STAGED, spans)
