@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import IO, TYPE_CHECKING
 
 from store import arguments
 from store.engine import SQLITE, create_store_engine, migrate, resolve_url, wal_path
-from store.errors import InvalidRecordError, StagingRefusedError, StoreClosedError
+from store.errors import InvalidRecordError, StagingRefusedError
 from store.events import (
     AdmissionBody,
     Completion,
@@ -25,6 +22,7 @@ from store.events import (
     Span,
     record_body,
 )
+from store.lifecycle import CallGate, operation, track_for_fork
 from store.lineage import export, tree, versions
 from store.lineage import linearize as lineage_linearize
 from store.lineage.export import ExportReport
@@ -39,36 +37,6 @@ from store.replay import ReplayReport, replay
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _operation(method: Callable[Concatenate[Store, P], R]) -> Callable[Concatenate[Store, P], R]:
-    """A public call: refused once the store is closed; ``close()`` and a fork wait for it to end."""
-
-    @functools.wraps(method)
-    def run(self: Store, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        entered = [False]  # set with the count of calls in flight, so an interrupt leaves both agreeing
-        try:
-            self._enter(entered)
-            return method(self, *args, **kwargs)
-        finally:
-            # Repeated if an interrupt lands in it (even on entry): a call never counted out
-            # would keep close() and a fork waiting for good.
-            interrupt: BaseException | None = None
-            while entered[0]:
-                try:
-                    self._leave(entered)
-                except Exception:
-                    raise
-                except BaseException as exc:  # KeyboardInterrupt, SystemExit
-                    interrupt = interrupt or exc
-            if interrupt is not None:
-                raise interrupt
-
-    return run
-
 
 @dataclass(frozen=True)
 class StageEntry:
@@ -87,15 +55,7 @@ class Store:
     def __init__(self, url_or_path: str | os.PathLike[str], *, durability: str = "full") -> None:
         self._url = resolve_url(url_or_path)
         self._durability = durability
-        # Guards the lifecycle fields below.  Code takes ``with self._gate_lock``, never ``with
-        # self._gate``: Condition.__enter__ is Python, and an interrupt after it locked would keep the
-        # lock.  An RLock, so a release after an interrupted wait fails instead of freeing another's hold.
-        self._gate_lock = threading.RLock()
-        self._gate = threading.Condition(self._gate_lock)
-        self._active = 0  # public calls in flight
-        self._forking = False  # a fork waits for the calls in flight; new ones wait for it
-        self._closed = False  # no new call starts
-        self._shut = False  # close() finished: nothing commits any more, no connection is open
+        self._calls = CallGate()
         self._engine, self._backend = create_store_engine(self._url, self._durability)
         self._log = EventLog(
             self._engine, self._backend, durable=self._durability == "full", wal_path=wal_path(self._url)
@@ -103,26 +63,11 @@ class Store:
         self._reader = Reader(self._engine)
         self._pid = os.getpid()
         migrate(self._engine, self._backend)
-        _track_for_fork(self)
+        track_for_fork(self)
 
-    def _enter(self, entered: list[bool]) -> None:
-        with self._gate_lock:
-            while self._forking:
-                self._gate.wait()
-            if self._closed:
-                raise StoreClosedError("this store was closed")
-            if self._pid != os.getpid():  # forked where os.register_at_fork did not run (fork() from C)
-                self._forget_parent_connections()
-            self._active += 1
-            entered[0] = True
-
-    def _leave(self, entered: list[bool]) -> None:
-        with self._gate_lock:
-            if entered[0]:
-                if self._active == 1:
-                    self._gate.notify_all()  # first: a repeat after an interrupt notifies again
-                self._active -= 1
-                entered[0] = False
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():  # forked where os.register_at_fork did not run (fork() from C)
+            self._forget_parent_connections()
 
     # --- fork: the child reconnects; no SQLite connection is open across the fork -------------
 
@@ -134,11 +79,7 @@ class Store:
         only the parent holds.  So the parent's SQLite connections are closed here (they
         reopen on next use); PostgreSQL connections stay open and the child leaves them alone.
         """
-        self._gate.acquire()
-        self._forking = True
-        while self._active:
-            self._gate.wait()
-        if not self._closed:
+        if self._calls.hold_for_fork():
             with contextlib.suppress(Exception):  # a broken connection is reopened after the fork anyway
                 self._log.release_writer()
             if self._backend is SQLITE:
@@ -146,16 +87,10 @@ class Store:
                     self._engine.dispose()
 
     def _after_fork_in_parent(self) -> None:
-        self._forking = False
-        self._gate.notify_all()
-        self._gate.release()
+        self._calls.release_after_fork()
 
     def _after_fork_in_child(self) -> None:
-        self._gate_lock = threading.RLock()
-        self._gate = threading.Condition(self._gate_lock)
-        self._active = 0
-        self._forking = False
-        self._shut = self._closed
+        self._calls.reset_in_child()
         self._forget_parent_connections()
 
     def _forget_parent_connections(self) -> None:
@@ -175,7 +110,7 @@ class Store:
 
     # --- the staging sink and source -------------------------------------------------------
 
-    @_operation
+    @operation
     def stage(
         self,
         record: StagedCallRecord,
@@ -195,7 +130,7 @@ class Store:
         event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
         return self._log.write(lambda tx: _stage(tx, event, record.digest))
 
-    @_operation
+    @operation
     def stage_all(
         self, entries: Sequence[StageEntry], *, cut_receipt: tuple[str, str, bytes] | None = None
     ) -> list[StageResult]:
@@ -246,12 +181,12 @@ class Store:
         body = record_body(record, spans, arguments.completion(entry.completion))
         return NewEvent(kind, rollout_id, model_call_id, body, key, columns)
 
-    @_operation
+    @operation
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
         """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent."""
         return self._reader.fetch(arguments.texts("fetch() keys", keys))
 
-    @_operation
+    @operation
     def fetch_chunks(self, keys: Sequence[str]) -> list[StoredChunk]:
         """Like ``fetch``, with each record's version spans and event kind; checksums verified,
         digests not re-hashed.
@@ -263,13 +198,13 @@ class Store:
 
     # --- projections ------------------------------------------------------------------------
 
-    @_operation
+    @operation
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
         """The calls projection for one call (lineage, state, policy versions), or None."""
         arguments.stream(rollout_id, model_call_id)
         return self._reader.call(rollout_id, model_call_id)
 
-    @_operation
+    @operation
     def calls(self, rollout_id: str | None = None) -> list[CallInfo]:
         """Every call (of one rollout, when given), in the order they were last written."""
         return self._reader.calls(arguments.optional_text("rollout_id", rollout_id))
@@ -281,32 +216,32 @@ class Store:
 
     # --- lineage views (store.lineage) ------------------------------------------------------
 
-    @_operation
+    @operation
     def version_tokens(self, rollout_id: str | None = None) -> dict[int, int]:
         """Generated tokens per policy version, store-wide or of one rollout (every attempt)."""
         return versions.version_tokens(self._reader, arguments.optional_text("rollout_id", rollout_id))
 
-    @_operation
+    @operation
     def rollout_versions(self, rollout_id: str | None = None) -> list[RolloutVersions]:
         """Per rollout: generated tokens per policy version, and its oldest and newest version."""
         return versions.rollout_versions(self._reader, arguments.optional_text("rollout_id", rollout_id))
 
-    @_operation
+    @operation
     def stale(self, current_version: int, max_lag: int) -> StaleReport:
         """Calls holding tokens more than ``max_lag`` versions behind ``current_version``, with counts."""
         return versions.stale(self._reader, current_version, max_lag)
 
-    @_operation
+    @operation
     def rollouts(self) -> list[RolloutSummary]:
         """Every rollout, its attempts grouped under it, sorted by id."""
         return tree.rollouts(self._reader)
 
-    @_operation
+    @operation
     def lineage(self, rollout_id: str) -> RolloutLineage | None:
         """The call tree of a rollout over every attempt (parents, continuations, states, versions), or None."""
         return tree.lineage(self._reader, arguments.text("rollout_id", rollout_id))
 
-    @_operation
+    @operation
     def linearize(self, rollout_id: str) -> LinearizedRollout:
         """Verify and linearize a rollout (every attempt) from the log: ``rows[0]`` is its terminal chain.
 
@@ -316,7 +251,7 @@ class Store:
         """
         return lineage_linearize.linearize_rollout(self._reader, arguments.text("rollout_id", rollout_id))
 
-    @_operation
+    @operation
     def export_jsonl(
         self,
         file: str | os.PathLike[str] | IO[str] | IO[bytes],
@@ -332,12 +267,12 @@ class Store:
         wanted = None if rollout_ids is None else arguments.texts("rollout_ids", rollout_ids)
         return export.export_jsonl(self._reader, file, wanted, progress)
 
-    @_operation
+    @operation
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""
         return replay(self._engine, self._backend, repair=arguments.flag("repair", repair))
 
-    @_operation
+    @operation
     def audit(self, *, progress: Callable[[int, int], object] | None = None) -> AuditReport:
         """Check the whole store in one streaming pass and report every problem found.
 
@@ -354,21 +289,21 @@ class Store:
 
     # --- events the worker capture appends ----------------------------------------------------
 
-    @_operation
+    @operation
     def record_admission(self, rollout_id: str, model_call_id: str, body: AdmissionBody) -> None:
         arguments.stream(rollout_id, model_call_id)
         arguments.body(EventKind.CALL_ADMITTED, body)
         event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
-    @_operation
+    @operation
     def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         arguments.stream(rollout_id, model_call_id)
         body = FailureBody(reason=arguments.text("reason", reason, empty=True))
         event = NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)
 
-    @_operation
+    @operation
     def clear_keys(self, rollout_id: str, model_call_id: str, keys: Sequence[str], reason: str) -> None:
         """Withdraw staged cut keys of one call (a rolled-back cut, or chunks made obsolete).
 
@@ -391,13 +326,13 @@ class Store:
         if wanted:
             self._log.write(work, durable=False)  # a key that reappears after power loss is harmless
 
-    @_operation
+    @operation
     def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
         """The call's latest terminal record: its key, digest, generated count and how it finished."""
         arguments.stream(rollout_id, model_call_id)
         return self._reader.completion(rollout_id, model_call_id)
 
-    @_operation
+    @operation
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
         """The receipt (JSON) already returned for this inventory, if any."""
         arguments.text("checkpoint_id", checkpoint_id)
@@ -410,20 +345,7 @@ class Store:
         """Close the store.  Calls in flight finish first; a write queued behind the batch being
         committed raises ``StoreClosedError``.  Once ``close()`` returns nothing more commits
         and no connection stays open; every later call raises ``StoreClosedError``."""
-        with self._gate_lock:
-            if self._closed:
-                while not self._shut:  # another thread is closing it
-                    self._gate.wait()
-                return
-            self._closed = True
-            try:
-                self._log.close()
-                while self._active:
-                    self._gate.wait()
-                self._engine.dispose()
-            finally:
-                self._shut = True
-                self._gate.notify_all()
+        self._calls.close(stop_writes=self._log.close, release=self._engine.dispose)
 
     def __enter__(self) -> Store:
         return self
@@ -464,41 +386,6 @@ def _owned(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) 
             f"{rollout_id}/{model_call_id} cannot withdraw it"
         )
     return state is not None
-
-
-_LIVE_STORES: weakref.WeakSet[Store] = weakref.WeakSet()
-_REGISTRY_LOCK = threading.Lock()
-_FORKING: list[Store] = []  # the stores held still by the fork in progress
-
-
-def _track_for_fork(store: Store) -> None:
-    with _REGISTRY_LOCK:
-        _LIVE_STORES.add(store)
-
-
-def _before_fork() -> None:
-    with _REGISTRY_LOCK:
-        _FORKING[:] = list(_LIVE_STORES)
-    for store in _FORKING:
-        store._before_fork()
-
-
-def _after_fork_in_parent() -> None:
-    for store in _FORKING:
-        store._after_fork_in_parent()
-    _FORKING.clear()
-
-
-def _after_fork_in_child() -> None:
-    global _REGISTRY_LOCK
-    _REGISTRY_LOCK = threading.Lock()
-    for store in _FORKING:
-        store._after_fork_in_child()
-    _FORKING.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def open_store(url_or_path: str | os.PathLike[str], *, durability: str = "full") -> Store:

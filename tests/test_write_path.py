@@ -22,6 +22,7 @@ from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_s
 from store import engine as engine_module
 from store import replay as replay_module
 from store.errors import StorageError
+from store.lifecycle import CallGate
 from store.log import EventLog
 
 HANG = 60.0  # seconds after which a thread or child that has not finished is taken as hung
@@ -290,15 +291,15 @@ def test_an_interrupt_while_the_leader_leaves_still_gives_the_writer_role_back(
 def test_an_interrupt_while_a_call_is_counted_out_does_not_keep_close_waiting(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = Store._leave
+    original = CallGate.leave
     interrupts = [KeyboardInterrupt()]
 
-    def interrupted_on_entry(self: Store, entered: list[bool]) -> None:
+    def interrupted_on_entry(self: CallGate, entered: list[bool]) -> None:
         if interrupts:
             raise interrupts.pop()
         original(self, entered)
 
-    monkeypatch.setattr(Store, "_leave", interrupted_on_entry)
+    monkeypatch.setattr(CallGate, "leave", interrupted_on_entry)
     with pytest.raises(KeyboardInterrupt):
         store.calls()
     run_in_thread(store.close)()
