@@ -8,7 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from store import Store
+from store import GenerationCutContinuation, GenerationCutPrefixAck, Store, capture_key
 
 
 class Versions:
@@ -65,3 +65,20 @@ def damage_token_ids(store: Store, staging_key: str) -> None:
         connection.execute(
             sa.text("UPDATE events SET token_ids = :ids WHERE seq = :seq"), {"ids": bytes(damaged), "seq": seq}
         )
+
+
+def continuation_from(ack: GenerationCutPrefixAck, **overrides: Any) -> GenerationCutContinuation:
+    """What Gym's ``GenerationCutRecord`` carries for a ``durable_prefix`` acknowledgement."""
+    assert ack.disposition == "durable_prefix"
+    fields: dict[str, Any] = {
+        "source_capture_key": capture_key(ack.rollout_id, ack.attempt_index),
+        "source_model_call_id": ack.model_call_id,
+        "staging_keys": ack.staging_keys,
+        "generation_token_count": ack.prefix_token_count,
+        "digest": ack.prefix_digest,
+        "effective_output_limit": ack.effective_output_limit,
+        "terminal_finish_reason": ack.terminal_finish_reason,
+        "terminal_stop_reason": ack.terminal_stop_reason,
+    }
+    fields.update(overrides)
+    return GenerationCutContinuation(**fields)

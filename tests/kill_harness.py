@@ -23,10 +23,10 @@ from typing import TypeVar
 
 import kill_worker
 import sqlalchemy as sa
+from capture_helpers import continuation_from
 
 from store import (
     CaptureAdmission,
-    GenerationCutContinuation,
     GenerationCutReceipt,
     StagedCallSnapshot,
     Store,
@@ -301,14 +301,7 @@ class KillLoop:
                         self.totals.problem("misreported", f"{where}: the terminal record's digest differs", where)
                     continue
                 assert ack.effective_output_limit is not None
-                continuation = GenerationCutContinuation(
-                    source_capture_key=ack.rollout_id,
-                    source_model_call_id=ack.model_call_id,
-                    staging_keys=ack.staging_keys,
-                    generation_token_count=ack.prefix_token_count,
-                    digest=ack.prefix_digest,
-                    effective_output_limit=ack.effective_output_limit,
-                )
+                continuation = continuation_from(ack)
                 admission = CaptureAdmission(
                     rollout_id=f"{ack.rollout_id}-a1",
                     model_call_id=ack.model_call_id,

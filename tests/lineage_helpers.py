@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from capture_helpers import Versions
+from capture_helpers import Versions, continuation_from
 
 from store import (
     CaptureAdmission,
-    GenerationCutContinuation,
     GenerationCutInventory,
     GenerationCutPrefix,
     RolloutTokenCapture,
@@ -83,14 +82,7 @@ def two_call_rollout(
     policy.value = versions[1]
     capture = RolloutTokenCapture(store=store, weight_version_fn=policy)
     assert ack.prefix_token_count is not None and ack.prefix_digest is not None
-    continuation = GenerationCutContinuation(
-        source_capture_key=capture_key(rollout_id, 0),
-        source_model_call_id="c1",
-        staging_keys=ack.staging_keys,
-        generation_token_count=ack.prefix_token_count,
-        digest=ack.prefix_digest,
-        effective_output_limit=ack.effective_output_limit,
-    )
+    continuation = continuation_from(ack)
     replacement = capture.begin_call(child_admission(rollout_id, 1, root.chain_hash, generation_cut=continuation))
     resumed = replacement.continuation
     assert resumed is not None

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 import sqlalchemy as sa
-from capture_helpers import Versions, damage_token_ids
+from capture_helpers import Versions, continuation_from, damage_token_ids
 from factories import make_record
 
 from store import (
@@ -79,14 +79,7 @@ def build(store: Store) -> Scenario:
         )
         [ack] = receipt.prefixes
         versions.value = 5
-        continuation = GenerationCutContinuation(
-            source_capture_key=capture_key("r0", 0),
-            source_model_call_id="c1",
-            staging_keys=ack.staging_keys,
-            generation_token_count=ack.prefix_token_count,
-            digest=ack.prefix_digest,
-            effective_output_limit=ack.effective_output_limit,
-        )
+        continuation = continuation_from(ack)
         resumed = capture.begin_call(child(capture_key("r0", 1), continuation))
         assert resumed.continuation is not None
         continued = capture.complete_call(

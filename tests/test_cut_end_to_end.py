@@ -20,11 +20,11 @@ from pathlib import Path
 
 import cut_worker
 import pytest
+from capture_helpers import continuation_from
 from factories import plain_digest_fields
 
 from store import (
     CaptureAdmission,
-    GenerationCutContinuation,
     GenerationCutReceipt,
     RolloutTokenCapture,
     capture_key,
@@ -123,14 +123,7 @@ def test_cut_survives_process_kill_and_continues(store_url: str) -> None:
         prefix = list(parent.token_ids_delta)  # a root's delta is all of its tokens
         assert ack.prefix_digest is not None and ack.prefix_token_count is not None
         assert ack.effective_output_limit is not None
-        continuation = GenerationCutContinuation(
-            source_capture_key=capture_key(ack.rollout_id, ack.attempt_index),
-            source_model_call_id=ack.model_call_id,
-            staging_keys=ack.staging_keys,
-            generation_token_count=ack.prefix_token_count,
-            digest=ack.prefix_digest,
-            effective_output_limit=ack.effective_output_limit,
-        )
+        continuation = continuation_from(ack)
         admission = CaptureAdmission(
             rollout_id=capture_key(cut_worker.ROLLOUT_ID, 1),
             model_call_id="c1",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from capture_helpers import Versions, damage_token_ids, event_count, writes_nothing
+from capture_helpers import Versions, continuation_from, damage_token_ids, event_count, writes_nothing
 from factories import make_record, plain_digest_fields
 from vectors import vectors_by_id
 
@@ -70,23 +70,6 @@ def inventory(checkpoint_id: str, *prefixes: GenerationCutPrefix) -> GenerationC
     return GenerationCutInventory.build(
         checkpoint_id=checkpoint_id, server_name="policy", active_prefixes=prefixes or [ticket()]
     )
-
-
-def continuation_from(ack: GenerationCutPrefixAck, **overrides: Any) -> GenerationCutContinuation:
-    """What Gym's ``GenerationCutRecord`` carries for a ``durable_prefix`` acknowledgement."""
-    assert ack.disposition == "durable_prefix"
-    fields: dict[str, Any] = {
-        "source_capture_key": capture_key(ack.rollout_id, ack.attempt_index),
-        "source_model_call_id": ack.model_call_id,
-        "staging_keys": ack.staging_keys,
-        "generation_token_count": ack.prefix_token_count,
-        "digest": ack.prefix_digest,
-        "effective_output_limit": ack.effective_output_limit,
-        "terminal_finish_reason": ack.terminal_finish_reason,
-        "terminal_stop_reason": ack.terminal_stop_reason,
-    }
-    fields.update(overrides)
-    return GenerationCutContinuation(**fields)
 
 
 def chunk_key(checkpoint_id: str, capture: str, model_call_id: str, sequence: int) -> str:

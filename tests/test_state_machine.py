@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from capture_helpers import continuation_from
 from factories import make_record
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -42,7 +43,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from store import (
     ActiveCall,
     CaptureAdmission,
-    GenerationCutContinuation,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -353,14 +353,7 @@ class StoreMachine(RuleBasedStateMachine):
         source, ack = lost.model, lost.ack
         assert ack.prefix_digest is not None and ack.prefix_token_count is not None
         assert ack.effective_output_limit is not None
-        continuation = GenerationCutContinuation(
-            source_capture_key=capture_key(ack.rollout_id, ack.attempt_index),
-            source_model_call_id=ack.model_call_id,
-            staging_keys=ack.staging_keys,
-            generation_token_count=ack.prefix_token_count,
-            digest=ack.prefix_digest,
-            effective_output_limit=ack.effective_output_limit,
-        )
+        continuation = continuation_from(ack)
         attempt = source.attempt + 1
         admission = CaptureAdmission(
             rollout_id=capture_key(source.rollout_id, attempt),
