@@ -928,14 +928,19 @@ def test_generation_cut_refuses_a_terminal_record_named_as_an_unfinished_prefix(
     assert call.continuation is not None and call.continuation.is_terminal
 
 
-def test_generation_cut_refuses_later_chunks_without_their_cumulative_prefix(rollout: Rollout) -> None:
+def flushed_then_cut(rollout: Rollout) -> GenerationCutPrefixAck:
+    """The live call decodes [30, 31] (flushed as chunk 0), then [32], then checkpoint-1 cuts it."""
     flushing(rollout, threshold=2)
-    capture, store = rollout.capture, rollout.store
     call = rollout.live_call()
-    capture.observe(call, [30, 31], [-0.5, -0.75])
-    assert capture.flush_due() == 1
-    capture.observe(call, [32], [-0.125])
-    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-1")))
+    rollout.capture.observe(call, [30, 31], [-0.5, -0.75])
+    assert rollout.capture.flush_due() == 1
+    rollout.capture.observe(call, [32], [-0.125])
+    return only_ack(rollout.capture.serve_generation_cut(inventory("checkpoint-1")))
+
+
+def test_generation_cut_refuses_later_chunks_without_their_cumulative_prefix(rollout: Rollout) -> None:
+    capture, store = rollout.capture, rollout.store
+    ack = flushed_then_cut(rollout)
     first, second = ack.staging_keys
     admission = rollout.admission(attempt=1)
     honest = rebuilt_continuation(
@@ -950,13 +955,8 @@ def test_generation_cut_refuses_later_chunks_without_their_cumulative_prefix(rol
 
 
 def test_generation_cut_chunks_must_be_ordered_with_the_carry_first(rollout: Rollout) -> None:
-    flushing(rollout, threshold=2)
-    capture, store = rollout.capture, rollout.store
-    call = rollout.live_call()
-    capture.observe(call, [30, 31], [-0.5, -0.75])
-    assert capture.flush_due() == 1
-    capture.observe(call, [32], [-0.125])
-    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-1")))
+    store = rollout.store
+    ack = flushed_then_cut(rollout)
     first, second = ack.staging_keys
     assert (first, second) == (chunk_key(periodic(1), "r0", "c1", 0), chunk_key("checkpoint-1", "r0", "c1", 1))
     # In chunk order the restore works; reversed, the carry would sit in a later chunk.
