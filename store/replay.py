@@ -96,16 +96,28 @@ class UnreadableRow:
 ROWS_PER_FETCH = 64
 
 
+# SQLite's rows are read on the raw driver cursor (SQLAlchemy's row processing was a large
+# share of a replay); PostgreSQL's go through SQLAlchemy, whose server-side cursor streams.
+_EVENT_COLUMNS = tuple(column.name for column in schema.events.c)
+_SQLITE_ROWS_AFTER = f"SELECT {', '.join(_EVENT_COLUMNS)} FROM {schema.events.name} WHERE seq > ? ORDER BY seq"
+
+
 def stored_rows(connection: sa.Connection) -> Iterator[Mapping[Any, Any] | UnreadableRow]:
     """Every row of the log in sequence order, streamed; a row the driver cannot read is
     yielded as ``UnreadableRow`` and the scan goes on after it."""
     events = schema.events
     after: int | None = None
+    raw = connection.dialect.name == "sqlite"
     while True:
         query = sa.select(*events.c).order_by(events.c.seq).execution_options(yield_per=ROWS_PER_FETCH)
         if after is not None:
             query = query.where(events.c.seq > after)
         try:
+            if raw:
+                for values in _sqlite_rows(connection, -1 if after is None else after):
+                    after = values["seq"]
+                    yield values
+                return
             for row in connection.execute(query):
                 after = row.seq
                 yield row._mapping
@@ -117,6 +129,17 @@ def stored_rows(connection: sa.Connection) -> Iterator[Mapping[Any, Any] | Unrea
         after = yield from _rows_one_by_one(connection, after)
         if after is None:
             return
+
+
+def _sqlite_rows(connection: sa.Connection, after: int) -> Iterator[dict[str, Any]]:
+    """The log's rows after ``after`` on the raw sqlite3 cursor of the connection's transaction."""
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        # sqlite3 steps the statement row by row as the cursor is iterated: bounded memory.
+        for row in cursor.execute(_SQLITE_ROWS_AFTER, (after,)):
+            yield dict(zip(_EVENT_COLUMNS, row, strict=True))
+    finally:
+        cursor.close()
 
 
 def _rows_one_by_one(
