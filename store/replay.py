@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -235,10 +235,9 @@ def live_tables(connection: sa.Connection) -> Tables:
     for table in schema.PROJECTION_TABLES:
         key_columns = _PRIMARY_KEYS[table.name]
         rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-        result = connection.execute(sa.select(*table.c))
-        names = list(result.keys())  # zipped with each row: far cheaper than a mapping per row
+        names = [column.name for column in table.c]  # zipped with each row: far cheaper than a mapping per row
         binary = [name for name in names if isinstance(table.c[name].type, sa.LargeBinary)]
-        for row in result:
+        for row in _table_rows(connection, table):
             values = dict(zip(names, row, strict=True))
             for name in binary:  # PostgreSQL's driver may hand bytea back as a memoryview
                 value = values[name]
@@ -247,6 +246,18 @@ def live_tables(connection: sa.Connection) -> Tables:
             rows[tuple(values[k] for k in key_columns)] = values
         tables[table.name] = rows
     return tables
+
+
+def _table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[Sequence[Any]]:
+    """Every row of ``table`` as a tuple in column order (SQLite: on the raw driver cursor)."""
+    if connection.dialect.name != "sqlite":
+        yield from connection.execute(sa.select(*table.c))
+        return
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        yield from cursor.execute(f"SELECT {', '.join(column.name for column in table.c)} FROM {table.name}")
+    finally:
+        cursor.close()
 
 
 def compare(live: Tables, rebuilt: Tables) -> list[ReplayDifference]:
