@@ -7,7 +7,7 @@ compared with the live one row for row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -147,6 +147,12 @@ def affects_call(kind: EventKind) -> bool:
     return kind is not EventKind.CUT_RECEIPT
 
 
+def _moved(base: CallState, **changes: Any) -> CallState:
+    """``dataclasses.replace`` without its per-field bookkeeping: the folds run once per event
+    on the write path and on every pass over the log."""
+    return CallState(**{**base.__dict__, **changes})
+
+
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
     base = current or CallState(event.rollout_id, event.model_call_id, 0, "admitted")
@@ -155,11 +161,11 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
     if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:
         # The capture refuses to admit a finished call again; an admission that reached the
         # log anyway (a racing worker) must not hide the call's staged terminal record.
-        return replace(base, stream_version=version, last_seq=seq)
+        return _moved(base, stream_version=version, last_seq=seq)
     if event.kind is EventKind.CALL_ADMITTED:
         assert isinstance(body, AdmissionBody)
         continuation = body.continues
-        return replace(
+        return _moved(
             base,
             stream_version=version,
             last_seq=seq,
@@ -177,7 +183,7 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
     if event.kind in (EventKind.PREFIX_STAGED, EventKind.CALL_COMPLETED):
         assert isinstance(body, RecordBody)
         state = "completed" if event.kind is EventKind.CALL_COMPLETED else _live(base.state, "staging")
-        return replace(
+        return _moved(
             base,
             stream_version=version,
             last_seq=seq,
@@ -194,7 +200,7 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
     if event.kind is EventKind.CHUNK_STAGED:
         assert isinstance(body, RecordBody)
         spans = merge_spans([*base.spans, *body.spans])
-        return replace(
+        return _moved(
             base,
             stream_version=version,
             last_seq=seq,
@@ -204,8 +210,8 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
             generated_tokens=_generated(spans),
         )
     if event.kind is EventKind.CALL_FAILED:
-        return replace(base, stream_version=version, last_seq=seq, state="failed")
-    return replace(base, stream_version=version, last_seq=seq)  # keys cleared: only the stream position moves
+        return _moved(base, stream_version=version, last_seq=seq, state="failed")
+    return _moved(base, stream_version=version, last_seq=seq)  # keys cleared: only the stream position moves
 
 
 def _live(current: str, new: str) -> str:

@@ -99,6 +99,21 @@ class StoredChunk:
     kind: EventKind
 
 
+def _keyed_events() -> sa.Select[Any]:
+    """Staged keys with their events.  An outer join: a key whose event is missing is damage,
+    not an unknown key."""
+    events, staged = schema.events, schema.staged_keys
+    return (
+        sa.select(*(column.label(f"key_{column.name}") for column in staged.c), *events.c)
+        .select_from(staged.outerjoin(events, events.c.seq == staged.c.event_seq))
+        .where(staged.c.staging_key.in_(sa.bindparam("keys", expanding=True)))
+    )
+
+
+# Built once: constructing the statement was a large share of fetching a few records.
+_KEYED_EVENTS = _keyed_events()
+
+
 class Reader:
     """Read queries over pooled connections; driver errors become ``StorageError``."""
 
@@ -126,13 +141,7 @@ class Reader:
             if not isinstance(key, str) or not key:
                 raise InvalidRecordError(f"staging keys must be non-empty strings, got {key!r}")
         rows: dict[str, Any] = {}
-        events, staged = schema.events, schema.staged_keys
-        # An outer join: a key whose event is missing is damage, not an unknown key.
-        query = (
-            sa.select(*(column.label(f"key_{column.name}") for column in staged.c), *events.c)
-            .select_from(staged.outerjoin(events, events.c.seq == staged.c.event_seq))
-            .where(staged.c.staging_key.in_(sa.bindparam("keys", expanding=True)))
-        )
+        query = _KEYED_EVENTS
         with self.connection("fetching staged records") as connection:
             for start in range(0, len(wanted), _FETCH_CHUNK):
                 chunk = wanted[start : start + _FETCH_CHUNK]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -96,16 +96,28 @@ class UnreadableRow:
 ROWS_PER_FETCH = 64
 
 
+# SQLite's rows are read on the raw driver cursor (SQLAlchemy's row processing was a large
+# share of a replay); PostgreSQL's go through SQLAlchemy, whose server-side cursor streams.
+_EVENT_COLUMNS = tuple(column.name for column in schema.events.c)
+_SQLITE_ROWS_AFTER = f"SELECT {', '.join(_EVENT_COLUMNS)} FROM {schema.events.name} WHERE seq > ? ORDER BY seq"
+
+
 def stored_rows(connection: sa.Connection) -> Iterator[Mapping[Any, Any] | UnreadableRow]:
     """Every row of the log in sequence order, streamed; a row the driver cannot read is
     yielded as ``UnreadableRow`` and the scan goes on after it."""
     events = schema.events
     after: int | None = None
+    raw = connection.dialect.name == "sqlite"
     while True:
         query = sa.select(*events.c).order_by(events.c.seq).execution_options(yield_per=ROWS_PER_FETCH)
         if after is not None:
             query = query.where(events.c.seq > after)
         try:
+            if raw:
+                for values in _sqlite_rows(connection, -1 if after is None else after):
+                    after = values["seq"]
+                    yield values
+                return
             for row in connection.execute(query):
                 after = row.seq
                 yield row._mapping
@@ -117,6 +129,17 @@ def stored_rows(connection: sa.Connection) -> Iterator[Mapping[Any, Any] | Unrea
         after = yield from _rows_one_by_one(connection, after)
         if after is None:
             return
+
+
+def _sqlite_rows(connection: sa.Connection, after: int) -> Iterator[dict[str, Any]]:
+    """The log's rows after ``after`` on the raw sqlite3 cursor of the connection's transaction."""
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        # sqlite3 steps the statement row by row as the cursor is iterated: bounded memory.
+        for row in cursor.execute(_SQLITE_ROWS_AFTER, (after,)):
+            yield dict(zip(_EVENT_COLUMNS, row, strict=True))
+    finally:
+        cursor.close()
 
 
 def _rows_one_by_one(
@@ -212,23 +235,40 @@ def live_tables(connection: sa.Connection) -> Tables:
     for table in schema.PROJECTION_TABLES:
         key_columns = _PRIMARY_KEYS[table.name]
         rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-        result = connection.execute(sa.select(*table.c))
-        names = list(result.keys())  # zipped with each row: far cheaper than a mapping per row
-        for row in result:
-            values = {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in zip(names, row, strict=True)}
+        names = [column.name for column in table.c]  # zipped with each row: far cheaper than a mapping per row
+        binary = [name for name in names if isinstance(table.c[name].type, sa.LargeBinary)]
+        for row in _table_rows(connection, table):
+            values = dict(zip(names, row, strict=True))
+            for name in binary:  # PostgreSQL's driver may hand bytea back as a memoryview
+                value = values[name]
+                if isinstance(value, memoryview):
+                    values[name] = bytes(value)
             rows[tuple(values[k] for k in key_columns)] = values
         tables[table.name] = rows
     return tables
+
+
+def _table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[Sequence[Any]]:
+    """Every row of ``table`` as a tuple in column order (SQLite: on the raw driver cursor)."""
+    if connection.dialect.name != "sqlite":
+        yield from connection.execute(sa.select(*table.c))
+        return
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        yield from cursor.execute(f"SELECT {', '.join(column.name for column in table.c)} FROM {table.name}")
+    finally:
+        cursor.close()
 
 
 def compare(live: Tables, rebuilt: Tables) -> list[ReplayDifference]:
     differences: list[ReplayDifference] = []
     for table, rebuilt_rows in rebuilt.items():
         live_rows = live.get(table, {})
-        for key in sorted(set(live_rows) | set(rebuilt_rows), key=repr):
-            live_row, rebuilt_row = live_rows.get(key), rebuilt_rows.get(key)
-            if live_row != rebuilt_row:
-                differences.append(ReplayDifference(table, key, live_row, rebuilt_row))
+        # Only the differing keys are sorted (by repr, for a stable report): most rows match.
+        differing = [key for key, row in rebuilt_rows.items() if live_rows.get(key) != row]
+        differing += [key for key in live_rows if key not in rebuilt_rows]
+        for key in sorted(differing, key=repr):
+            differences.append(ReplayDifference(table, key, live_rows.get(key), rebuilt_rows.get(key)))
     return differences
 
 

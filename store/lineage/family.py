@@ -44,6 +44,24 @@ def family_clause(rollout_id: str) -> sa.ColumnElement[bool]:
     return sa.or_(column == rollout_id, sa.and_(column >= f"{rollout_id}-a", column < f"{rollout_id}-b"))
 
 
+def bound_family_clause(column: sa.Column[str]) -> sa.ColumnElement[bool]:
+    """``family_clause`` with its values bound at execution (``family_params``): the statement
+    is built once, not on every read of a rollout."""
+    return sa.or_(
+        column == sa.bindparam("family_rollout"),
+        sa.and_(column >= sa.bindparam("family_low"), column < sa.bindparam("family_high")),
+    )
+
+
+def family_params(rollout_id: str) -> dict[str, str]:
+    return {"family_rollout": rollout_id, "family_low": f"{rollout_id}-a", "family_high": f"{rollout_id}-b"}
+
+
+_FAMILY_CALLS = (
+    sa.select(*schema.calls.c).where(bound_family_clause(schema.calls.c.rollout_id)).order_by(schema.calls.c.last_seq)
+)
+
+
 def capture_keys(reader: Reader) -> set[str]:
     """Every capture key that has a calls row."""
     query = sa.select(schema.calls.c.rollout_id).distinct()
@@ -76,10 +94,8 @@ class FamilyCall:
 
 def family_calls(reader: Reader, rollout_id: str) -> list[FamilyCall]:
     """The calls rows of every attempt of ``rollout_id`` (bare), oldest attempt first, then commit order."""
-    calls = schema.calls
-    query = sa.select(*calls.c).where(family_clause(rollout_id)).order_by(calls.c.last_seq)
     with reader.connection("reading a rollout's calls") as connection:
-        states = [CallState.from_row(row) for row in connection.execute(query)]
+        states = [CallState.from_row(row) for row in connection.execute(_FAMILY_CALLS, family_params(rollout_id))]
     present = {state.rollout_id for state in states}
     found = []
     for state in states:

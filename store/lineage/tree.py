@@ -19,8 +19,10 @@ from store.events import AdmissionBody, EventKind
 from store.integrity import describe, verified_event
 from store.lineage.family import (
     FamilyCall,
+    bound_family_clause,
     capture_keys,
     family_calls,
+    family_params,
     resolve_rollout,
     split_capture_key,
 )
@@ -101,22 +103,21 @@ class Admission:
     continuation: GenerationCutContinuation | None
 
 
-def _events_family(rollout_id: str) -> sa.ColumnElement[bool]:
-    column = schema.events.c.rollout_id
-    return sa.or_(column == rollout_id, sa.and_(column >= f"{rollout_id}-a", column < f"{rollout_id}-b"))
+_FAMILY_ADMISSIONS = (  # built once (see bound_family_clause)
+    sa.select(*schema.events.c)
+    .where(
+        bound_family_clause(schema.events.c.rollout_id),
+        schema.events.c.kind == EventKind.CALL_ADMITTED.value,
+    )
+    .order_by(schema.events.c.seq)
+)
 
 
 def admissions(reader: Reader, rollout_id: str, keys: set[str]) -> dict[tuple[str, str], Admission]:
     """(capture key, call) -> its newest admission, for the capture keys ``keys`` of one rollout."""
-    events = schema.events
-    query = (
-        sa.select(*events.c)
-        .where(_events_family(rollout_id), events.c.kind == EventKind.CALL_ADMITTED.value)
-        .order_by(events.c.seq)
-    )
     found: dict[tuple[str, str], Admission] = {}
     with reader.connection("reading admissions") as connection:
-        for row in connection.execute(query):
+        for row in connection.execute(_FAMILY_ADMISSIONS, family_params(rollout_id)):
             if row.rollout_id not in keys:
                 continue
             event = verified_event(row._mapping)
