@@ -122,19 +122,29 @@ def operation(method: Callable[Concatenate[G, P], R]) -> Callable[Concatenate[G,
             self._calls.enter(entered, self._check_process)
             return method(self, *args, **kwargs)
         finally:
-            # Repeated if an interrupt lands in it (even on entry).
-            interrupt: BaseException | None = None
-            while entered[0]:
-                try:
-                    self._calls.leave(entered)
-                except Exception:
-                    raise
-                except BaseException as exc:  # KeyboardInterrupt, SystemExit
-                    interrupt = interrupt or exc
-            if interrupt is not None:
-                raise interrupt
+            repeat_through_interrupts(lambda: self._calls.leave(entered))  # leave is idempotent
 
     return run
+
+
+def repeat_through_interrupts(step: Callable[[], None]) -> None:
+    """Run ``step`` until it completes, even if interrupts (``KeyboardInterrupt``, ``SystemExit``)
+    land in it, even on entry; then raise the first interrupt.  ``step`` must be safe to repeat.
+
+    For the steps that give back what a call holds: one left undone would keep ``close()``,
+    a fork or the writer role waiting for good.  An ordinary exception is raised at once.
+    """
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            step()
+            break
+        except Exception:
+            raise
+        except BaseException as exc:
+            interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt
 
 
 # --- fork: every live store is held still while the process forks ------------------------------

@@ -26,6 +26,7 @@ from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
 from store.errors import StorageError, StoreClosedError, StoreError
 from store.events import EventKind, encode_body
+from store.lifecycle import repeat_through_interrupts
 from store.projections import (
     CallState,
     Event,
@@ -274,19 +275,7 @@ class EventLog:
             if self._leader is pending:
                 self._write_batch(self._batch)
         finally:
-            # An interrupt landing in _leave (on entry, or waiting for the lock) would keep the
-            # writer role for good: repeat it until it has run, then raise the interrupt.
-            interrupt: BaseException | None = None
-            while True:
-                try:
-                    self._leave(pending)
-                    break
-                except Exception:
-                    raise
-                except BaseException as exc:  # KeyboardInterrupt, SystemExit
-                    interrupt = interrupt or exc
-            if interrupt is not None:
-                raise interrupt
+            repeat_through_interrupts(lambda: self._leave(pending))  # else the writer role stays taken
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]

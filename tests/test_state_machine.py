@@ -123,8 +123,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.forks = 0
         self.last_seq = 0
         self.finished: dict[str, tuple[list[int], int]] = {}  # rollout -> (its tokens, oldest version)
+        self.finished_calls: dict[str, tuple[int, int]] = {}  # rollout -> (attempt, generated tokens)
         self.failed: set[str] = set()
-        self.unread_endings = self.unexported_endings = False  # a rollout ended since linearize/export last ran
+        # A rollout ended since linearize, export or the lineage views last ran.
+        self.unread_endings = self.unexported_endings = self.unviewed_endings = False
         self.untrainable: set[str] = set()
 
     def _open(self) -> None:
@@ -306,12 +308,13 @@ class StoreMachine(RuleBasedStateMachine):
         )
         if model.restored or generated:
             self.finished[model.rollout_id] = ([*model.prompt, *generated], model.oldest_version)
+            self.finished_calls[model.rollout_id] = (model.attempt, len(model.restored) + len(generated))
         else:
             self.untrainable.add(model.rollout_id)  # nothing generated: no training row (empty_generation)
         for withdrawn in own:
             self.cleared.add(withdrawn)
             self.acked.pop(withdrawn, None)
-        self.unread_endings = self.unexported_endings = True
+        self.unread_endings = self.unexported_endings = self.unviewed_endings = True
 
     @precondition(has_live)
     @rule(data=st.data())
@@ -323,7 +326,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.acks.pop(key, None)
         coords = self.capture.fail_call(model.call, reason="the engine gave up")
         self.failed.add(model.rollout_id)
-        self.unread_endings = self.unexported_endings = True
+        self.unread_endings = self.unexported_endings = self.unviewed_endings = True
         assert coords.disposition == "capture_failed"
         info = self.store.call(*key)
         assert info is not None and info.state == "failed"
@@ -434,6 +437,29 @@ class StoreMachine(RuleBasedStateMachine):
                 assert exc.code == code, exc
             else:
                 raise AssertionError(f"rollout {rollout_id} linearized; expected {code}")
+
+    @precondition(lambda self: self.unviewed_endings)
+    @rule()
+    def lineage_views(self) -> None:
+        """Rollouts, call trees and policy-version views agree with what the machine finished."""
+        self.steps["lineage_views"] += 1
+        self.unviewed_endings = False
+        listed = {summary.rollout_id for summary in self.store.rollouts()}
+        stale = {(call.rollout_id, call.capture_key) for call in self.store.stale(self.version + 1, 0).calls}
+        for rollout_id, (attempt, generated) in self.finished_calls.items():
+            assert rollout_id in listed
+            lineage = self.store.lineage(rollout_id)
+            assert lineage is not None
+            [call] = [c for c in lineage.calls if c.capture_key == capture_key(rollout_id, attempt)]
+            assert (call.state, call.generated_tokens) == ("completed", generated)
+            assert (call.resumes is not None) == (attempt > 0)  # every later attempt continued a cut
+            if call.resumes is not None:
+                assert call.resumes.attempt < attempt
+            [versions] = self.store.rollout_versions(rollout_id)
+            assert versions.generated_tokens == generated  # a continued cut's tokens count once
+            assert sum(self.store.version_tokens(rollout_id).values()) == generated
+            if generated:  # every version so far is behind version + 1
+                assert (rollout_id, capture_key(rollout_id, attempt)) in stale
 
     @precondition(lambda self: self.unexported_endings)
     @rule()
