@@ -3,113 +3,228 @@
 Workers stage every model call's exact tokens before responding; generation cuts stage
 the tokens of still-decoding calls so a replacement call can continue from a proven
 prefix.  Everything is an event in one append-only log; tables are projections of it.
+
+Names are imported on first use (PEP 562), so ``import store`` and the command line's
+``--help`` stay fast; type checkers see the imports below.
 """
 
-from store.active_call import ActiveCall, Continuation
-from store.audit import AuditProblem, AuditReport
-from store.capture import CaptureAdapter, RolloutTokenCapture
-from store.columns import FloatColumn, TokenIds
-from store.cut_records import (
-    GenerationCutInventory,
-    GenerationCutPrefix,
-    GenerationCutPrefixAck,
-    GenerationCutReceipt,
-    capture_key,
-    chunk_staging_key,
-)
-from store.digest import (
-    EMPTY_EXTRAS_DIGEST,
-    EXTRAS_MAX_DEPTH,
-    STAGING_SCHEMA_VERSION,
-    SUPPORTED_SCHEMA_VERSIONS,
-    build_staging_delta,
-    compute_chain_hash,
-    compute_extras_digest,
-    compute_staging_digest,
-    hash_token_ids,
-)
-from store.errors import (
-    AdmissionTypeError,
-    CaptureDataError,
-    CaptureError,
-    ConfigurationError,
-    CorruptRecordError,
-    DigestMismatchError,
-    DigestTypeError,
-    DigestValueError,
-    GenerationCutError,
-    InvalidRecordError,
-    MigrationError,
-    RebuildError,
-    ReceiptTypeError,
-    ReceiptVerificationError,
-    StagingRefusedError,
-    StorageError,
-    StoreClosedError,
-    StoreError,
-    StreamingUnsupportedError,
-    UnknownKeyError,
-)
-from store.events import EventKind
-from store.lineage import (
-    ExportFailure,
-    ExportReport,
-    LineageCall,
-    ResumedCut,
-    RolloutLineage,
-    RolloutSummary,
-    RolloutVersions,
-    StaleCall,
-    StaleReport,
-)
-from store.queries import CallInfo, StoredChunk, StoredCompletion, VersionSpan
-from store.rebuild import (
-    ExtrasCommitment,
-    LinearizedRollout,
-    LinearizedRow,
-    SkippedChain,
-    WeightVersionSpan,
-    linearize,
-    verify_and_linearize,
-    verify_and_linearize_all,
-)
-from store.records import (
-    CallRecord,
-    CaptureAdmission,
-    CaptureLedgerCommit,
-    CommitCoords,
-    GenerationCutContinuation,
-    ManifestFailure,
-    RolloutManifest,
-    RolloutReceipt,
-    RolloutRemoval,
-    StagedCallBaseSnapshot,
-    StagedCallRecord,
-    StagedCallSnapshot,
-    StageResult,
-    from_json,
-    from_msgpack,
-    to_json,
-    to_msgpack,
-)
-from store.replay import ReplayDifference, ReplayReport
-from store.routed_rows import with_routed_experts
-from store.routes import (
-    MISSING_ROUTE_SENTINEL,
-    ROUTED_EXPERTS_ENVELOPE_VERSION,
-    RoutedExperts,
-    decode_routed_experts,
-    encode_routed_experts,
-)
-from store.store import StageEntry, Store, open_store
-from store.terminal import (
-    ASSISTANT_FINGERPRINT_VERSION,
-    TerminalAttribution,
-    TerminalSelection,
-    assistant_fingerprint,
-    resolve_terminal,
-    select_terminal_call,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from store.active_call import ActiveCall, Continuation
+    from store.audit import AuditProblem, AuditReport
+    from store.capture import CaptureAdapter, RolloutTokenCapture
+    from store.columns import FloatColumn, TokenIds
+    from store.cut_records import (
+        GenerationCutInventory,
+        GenerationCutPrefix,
+        GenerationCutPrefixAck,
+        GenerationCutReceipt,
+        capture_key,
+        chunk_staging_key,
+    )
+    from store.digest import (
+        EMPTY_EXTRAS_DIGEST,
+        EXTRAS_MAX_DEPTH,
+        STAGING_SCHEMA_VERSION,
+        SUPPORTED_SCHEMA_VERSIONS,
+        build_staging_delta,
+        compute_chain_hash,
+        compute_extras_digest,
+        compute_staging_digest,
+        hash_token_ids,
+    )
+    from store.errors import (
+        AdmissionTypeError,
+        CaptureDataError,
+        CaptureError,
+        ConfigurationError,
+        CorruptRecordError,
+        DigestMismatchError,
+        DigestTypeError,
+        DigestValueError,
+        GenerationCutError,
+        InvalidRecordError,
+        MigrationError,
+        ReadOnlyStoreError,
+        RebuildError,
+        ReceiptTypeError,
+        ReceiptVerificationError,
+        StagingRefusedError,
+        StorageError,
+        StoreClosedError,
+        StoreError,
+        StreamingUnsupportedError,
+        UnknownKeyError,
+    )
+    from store.events import EventKind
+    from store.lineage import (
+        ExportFailure,
+        ExportReport,
+        LineageCall,
+        ResumedCut,
+        RolloutLineage,
+        RolloutSummary,
+        RolloutVersions,
+        StaleCall,
+        StaleReport,
+    )
+    from store.queries import CallInfo, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
+    from store.rebuild import (
+        ExtrasCommitment,
+        LinearizedRollout,
+        LinearizedRow,
+        SkippedChain,
+        WeightVersionSpan,
+        linearize,
+        verify_and_linearize,
+        verify_and_linearize_all,
+    )
+    from store.records import (
+        CallRecord,
+        CaptureAdmission,
+        CaptureLedgerCommit,
+        CommitCoords,
+        GenerationCutContinuation,
+        ManifestFailure,
+        RolloutManifest,
+        RolloutReceipt,
+        RolloutRemoval,
+        StagedCallBaseSnapshot,
+        StagedCallRecord,
+        StagedCallSnapshot,
+        StageResult,
+        from_json,
+        from_msgpack,
+        to_json,
+        to_msgpack,
+    )
+    from store.replay import ReplayDifference, ReplayReport
+    from store.routed_rows import with_routed_experts
+    from store.routes import (
+        MISSING_ROUTE_SENTINEL,
+        ROUTED_EXPERTS_ENVELOPE_VERSION,
+        RoutedExperts,
+        decode_routed_experts,
+        encode_routed_experts,
+    )
+    from store.store import StageEntry, Store, open_store
+    from store.terminal import (
+        ASSISTANT_FINGERPRINT_VERSION,
+        TerminalAttribution,
+        TerminalSelection,
+        assistant_fingerprint,
+        resolve_terminal,
+        select_terminal_call,
+    )
+
+# Each public name and the module that defines it (a test checks this against ``__all__``).
+_MODULES = {
+    "ASSISTANT_FINGERPRINT_VERSION": "store.terminal",
+    "ActiveCall": "store.active_call",
+    "AdmissionTypeError": "store.errors",
+    "AuditProblem": "store.audit",
+    "AuditReport": "store.audit",
+    "CallInfo": "store.queries",
+    "CallRecord": "store.records",
+    "CaptureAdapter": "store.capture",
+    "CaptureAdmission": "store.records",
+    "CaptureDataError": "store.errors",
+    "CaptureError": "store.errors",
+    "CaptureLedgerCommit": "store.records",
+    "CommitCoords": "store.records",
+    "ConfigurationError": "store.errors",
+    "Continuation": "store.active_call",
+    "CorruptRecordError": "store.errors",
+    "DigestMismatchError": "store.errors",
+    "DigestTypeError": "store.errors",
+    "DigestValueError": "store.errors",
+    "EMPTY_EXTRAS_DIGEST": "store.digest",
+    "EXTRAS_MAX_DEPTH": "store.digest",
+    "EventKind": "store.events",
+    "ExportFailure": "store.lineage",
+    "ExportReport": "store.lineage",
+    "ExtrasCommitment": "store.rebuild",
+    "FloatColumn": "store.columns",
+    "GenerationCutContinuation": "store.records",
+    "GenerationCutError": "store.errors",
+    "GenerationCutInventory": "store.cut_records",
+    "GenerationCutPrefix": "store.cut_records",
+    "GenerationCutPrefixAck": "store.cut_records",
+    "GenerationCutReceipt": "store.cut_records",
+    "InvalidRecordError": "store.errors",
+    "LineageCall": "store.lineage",
+    "LinearizedRollout": "store.rebuild",
+    "LinearizedRow": "store.rebuild",
+    "MISSING_ROUTE_SENTINEL": "store.routes",
+    "ManifestFailure": "store.records",
+    "MigrationError": "store.errors",
+    "ROUTED_EXPERTS_ENVELOPE_VERSION": "store.routes",
+    "ReadOnlyStoreError": "store.errors",
+    "RebuildError": "store.errors",
+    "ReceiptTypeError": "store.errors",
+    "ReceiptVerificationError": "store.errors",
+    "ReplayDifference": "store.replay",
+    "ReplayReport": "store.replay",
+    "ResumedCut": "store.lineage",
+    "RolloutLineage": "store.lineage",
+    "RolloutManifest": "store.records",
+    "RolloutReceipt": "store.records",
+    "RolloutRemoval": "store.records",
+    "RolloutSummary": "store.lineage",
+    "RolloutTokenCapture": "store.capture",
+    "RolloutVersions": "store.lineage",
+    "RoutedExperts": "store.routes",
+    "STAGING_SCHEMA_VERSION": "store.digest",
+    "SUPPORTED_SCHEMA_VERSIONS": "store.digest",
+    "SkippedChain": "store.rebuild",
+    "StageEntry": "store.store",
+    "StageResult": "store.records",
+    "StagedCallBaseSnapshot": "store.records",
+    "StagedCallRecord": "store.records",
+    "StagedCallSnapshot": "store.records",
+    "StagedKeyInfo": "store.queries",
+    "StagingRefusedError": "store.errors",
+    "StaleCall": "store.lineage",
+    "StaleReport": "store.lineage",
+    "StorageError": "store.errors",
+    "Store": "store.store",
+    "StoreClosedError": "store.errors",
+    "StoreError": "store.errors",
+    "StoredChunk": "store.queries",
+    "StoredCompletion": "store.queries",
+    "StreamingUnsupportedError": "store.errors",
+    "TerminalAttribution": "store.terminal",
+    "TerminalSelection": "store.terminal",
+    "TokenIds": "store.columns",
+    "UnknownKeyError": "store.errors",
+    "VersionSpan": "store.queries",
+    "WeightVersionSpan": "store.rebuild",
+    "assistant_fingerprint": "store.terminal",
+    "build_staging_delta": "store.digest",
+    "capture_key": "store.cut_records",
+    "chunk_staging_key": "store.cut_records",
+    "compute_chain_hash": "store.digest",
+    "compute_extras_digest": "store.digest",
+    "compute_staging_digest": "store.digest",
+    "decode_routed_experts": "store.routes",
+    "encode_routed_experts": "store.routes",
+    "from_json": "store.records",
+    "from_msgpack": "store.records",
+    "hash_token_ids": "store.digest",
+    "linearize": "store.rebuild",
+    "open_store": "store.store",
+    "resolve_terminal": "store.terminal",
+    "select_terminal_call": "store.terminal",
+    "to_json": "store.records",
+    "to_msgpack": "store.records",
+    "verify_and_linearize": "store.rebuild",
+    "verify_and_linearize_all": "store.rebuild",
+    "with_routed_experts": "store.routed_rows",
+}
 
 __all__ = [
     "ASSISTANT_FINGERPRINT_VERSION",
@@ -154,6 +269,7 @@ __all__ = [
     "ROUTED_EXPERTS_ENVELOPE_VERSION",
     "RebuildError",
     "ReceiptTypeError",
+    "ReadOnlyStoreError",
     "ReceiptVerificationError",
     "ReplayDifference",
     "ResumedCut",
@@ -172,6 +288,7 @@ __all__ = [
     "SUPPORTED_SCHEMA_VERSIONS",
     "SkippedChain",
     "StageEntry",
+    "StagedKeyInfo",
     "StageResult",
     "StagedCallBaseSnapshot",
     "StagedCallRecord",
@@ -212,3 +329,16 @@ __all__ = [
     "verify_and_linearize_all",
     "with_routed_experts",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
 
 from store.errors import ConfigurationError, MigrationError, StorageError
-from store.schema import SCHEMA_REVISION
+from store.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
 
 DURABILITY_LEVELS = ("full", "normal")
 BUSY_TIMEOUT_MS = 60_000
@@ -109,19 +110,24 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
 
 
-def create_store_engine(url: URL, durability: str) -> tuple[Engine, Backend]:
+def create_store_engine(url: URL, durability: str, *, read_only: bool = False) -> tuple[Engine, Backend]:
     if durability not in DURABILITY_LEVELS:
         raise ConfigurationError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
     backend_name = url.get_backend_name()
     if backend_name == "sqlite":
         if url.database in (None, "", ":memory:"):
             raise ConfigurationError("an in-memory SQLite database is not durable; pass a file path")
+        if read_only:
+            return _read_only_sqlite_engine(url), SQLITE
         engine = _create_engine(url)
         _configure_sqlite(engine, durability)
         return engine, SQLITE
     if backend_name == "postgresql":
         engine = _create_engine(url, pool_pre_ping=True)
-        _configure_postgresql(engine, durability)
+        if read_only:
+            _configure_read_only_postgresql(engine)
+        else:
+            _configure_postgresql(engine, durability)
         return engine, POSTGRESQL
     raise ConfigurationError(f"unsupported database {backend_name!r}; use a SQLite path or a postgresql:// URL")
 
@@ -168,6 +174,41 @@ def _enable_wal(cursor: sqlite3.Cursor) -> None:
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.005)
+
+
+def _read_only_sqlite_engine(url: URL) -> Engine:
+    """An engine that can only read ``url``'s file, and creates or changes no file.
+
+    SQLite's ``mode=ro`` still creates the -wal and -shm files of a WAL database that has
+    none (and leaves them behind), so a store no process has open (no -wal file: everything
+    was checkpointed into the database file) is read as ``immutable``: no lock, no side
+    file.  A store in use (its -wal exists) is read through its WAL, with the usual locks.
+    """
+    path = str(url.database)
+    if not os.path.isfile(path):
+        raise StorageError(f"no store at {path} (the file does not exist; read-only commands never create one)")
+    if not os.access(path, os.R_OK):
+        raise StorageError(f"permission denied: cannot read {path}")
+    uri = f"file:{quote(path)}?mode=ro"
+    if not os.path.exists(f"{path}-wal"):
+        uri += "&immutable=1"
+
+    def connect() -> sqlite3.Connection:
+        connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        connection.isolation_level = None  # reads never BEGIN IMMEDIATE; nothing here writes
+        connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        return connection
+
+    return _create_engine(url, creator=connect)
+
+
+def _configure_read_only_postgresql(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Every transaction of this session is READ ONLY: the server refuses any write.
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+        dbapi_connection.commit()
 
 
 def _configure_postgresql(engine: Engine, durability: str) -> None:
@@ -271,6 +312,66 @@ def migrate(engine: Engine, backend: Backend) -> None:
         raise
     except errors as exc:
         raise opening_error(engine.url, exc) from exc
+
+
+def check_schema(engine: Engine, url: URL) -> None:
+    """A read-only open: the schema must be exactly this library's (never migrated here).
+
+    Raises ``StorageError`` if the database is not a store (or cannot be read), and
+    ``MigrationError`` if its schema is older (run a migration) or newer than this library.
+    """
+    where = describe_location(url)
+    revision = stored_revision(engine, url)
+    if revision is None:
+        raise StorageError(f"{where} is not a store (it has no store schema)")
+    if revision == SCHEMA_REVISION:
+        return
+    if revision in SCHEMA_REVISIONS:
+        raise MigrationError(
+            f"{where} has schema {revision}, older than this library's {SCHEMA_REVISION}; "
+            "migrate it first (staging-store migrate); it was opened read-only and left unchanged"
+        )
+    raise MigrationError(
+        f"{where} has schema {revision!r}, which this library ({SCHEMA_REVISION}) does not know: "
+        "it is newer; upgrade staging-store to read it"
+    )
+
+
+def stored_revision(engine: Engine, url: URL) -> str | None:
+    """The schema revision the database holds (None: not a store), read without writing."""
+    try:
+        with engine.connect() as connection:
+            revision = current_revision(connection)
+            connection.rollback()
+    except driver_errors(engine) as exc:
+        raise read_only_error(url, exc) from exc
+    return revision
+
+
+def describe_location(url: URL) -> str:
+    """The store's path (SQLite) or its URL with the password hidden."""
+    if url.get_backend_name() == "sqlite" and url.database:
+        return str(url.database)
+    return url.render_as_string(hide_password=True)
+
+
+def read_only_error(url: URL, exc: BaseException) -> StorageError:
+    """Say, without the driver's text, why a store could not be read."""
+    where = describe_location(url)
+    reason = str(getattr(exc, "orig", None) or exc)
+    if url.get_backend_name() == "sqlite":
+        if "not a database" in reason or isinstance(exc, UnicodeDecodeError):
+            return StorageError(f"{where} is not a store (not a SQLite database, or a damaged one)")
+        if "malformed" in reason or "corrupt" in reason:
+            return StorageError(f"{where} is damaged (SQLite reports a malformed database)")
+        if "unable to open" in reason:
+            return StorageError(f"cannot open {where}")
+        return StorageError(f"cannot read {where}")
+    if "does not exist" in reason:
+        return StorageError(f"cannot connect to {where}: the database does not exist")
+    if isinstance(exc, sa.exc.OperationalError):
+        return StorageError(f"cannot connect to {where}")
+    return StorageError(f"cannot read {where}")
 
 
 def opening_error(url: URL, exc: BaseException) -> StorageError:

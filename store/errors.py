@@ -47,6 +47,10 @@ class StoreClosedError(StoreError):
     """The store was used after ``close()``."""
 
 
+class ReadOnlyStoreError(StoreError):
+    """A write was asked of a store opened with ``read_only=True``; nothing was written."""
+
+
 class UnknownKeyError(StoreError, KeyError):
     """``fetch`` was asked for a staging key that holds no record."""
 

@@ -24,7 +24,7 @@ from store import failpoints, schema
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
-from store.errors import StorageError, StoreClosedError, StoreError
+from store.errors import ReadOnlyStoreError, StorageError, StoreClosedError, StoreError
 from store.events import EventKind, encode_body
 from store.lifecycle import repeat_through_interrupts
 from store.projections import (
@@ -235,8 +235,17 @@ class EventLog:
     runs, so an interrupt (``KeyboardInterrupt``, an async exception) never leaves it taken.
     """
 
-    def __init__(self, engine: Engine, backend: Backend, *, durable: bool = True, wal_path: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        backend: Backend,
+        *,
+        durable: bool = True,
+        wal_path: str | None = None,
+        read_only: bool = False,
+    ) -> None:
         self._engine = engine
+        self._read_only = read_only  # every write is refused before it is queued
         self._backend = backend
         self._durable = durable
         self._wal_path = wal_path  # SQLite: the -wal file a durable acknowledgement may have to sync
@@ -269,6 +278,8 @@ class EventLog:
         does not wait for the disk unless a durable write shares the batch.  Raises
         ``StoreClosedError`` if the log is closed before the write began.
         """
+        if self._read_only:
+            raise ReadOnlyStoreError("this store was opened read-only; nothing was written")
         pending: _Pending[T] = _Pending(work, durable)
         try:
             self._take_turn(pending)

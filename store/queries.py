@@ -99,6 +99,18 @@ class StoredChunk:
     kind: EventKind
 
 
+@dataclass(frozen=True)
+class StagedKeyInfo:
+    """One live staging key: the call whose record it holds, the event and its kind, the digest."""
+
+    staging_key: str
+    rollout_id: str
+    model_call_id: str
+    event_seq: int
+    kind: str | None  # None: the event behind the key is missing (damage; the audit names it)
+    digest: str
+
+
 def _keyed_events() -> sa.Select[Any]:
     """Staged keys with their events.  An outer join: a key whose event is missing is damage,
     not an unknown key."""
@@ -168,6 +180,22 @@ class Reader:
             query = query.where(calls.c.rollout_id == rollout_id)
         with self.connection("reading calls") as connection:
             return [CallInfo.from_state(CallState.from_row(row)) for row in connection.execute(query)]
+
+    def keys(self) -> list[StagedKeyInfo]:
+        """Every live staging key with its event's kind, in key order (no token column is read)."""
+        staged, events = schema.staged_keys, schema.events
+        query = (
+            sa.select(*staged.c, events.c.kind)
+            .select_from(staged.outerjoin(events, events.c.seq == staged.c.event_seq))
+            .order_by(staged.c.staging_key)
+        )
+        with self.connection("reading staging keys") as connection:
+            return [
+                StagedKeyInfo(
+                    row.staging_key, row.rollout_id, row.model_call_id, int(row.event_seq), row.kind, row.digest
+                )
+                for row in connection.execute(query)
+            ]
 
     def completion(self, rollout_id: str, model_call_id: str) -> StoredCompletion | None:
         events = schema.events

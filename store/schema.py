@@ -21,6 +21,8 @@ from sqlalchemy import (
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
 SCHEMA_REVISION = "0002"
+# Every revision the migrations know, oldest first (a read-only open tells older from newer).
+SCHEMA_REVISIONS = ("0001", "0002")
 
 metadata = MetaData()
 

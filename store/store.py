@@ -10,8 +10,8 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING
 
 from store import arguments
-from store.engine import SQLITE, create_store_engine, migrate, resolve_url, wal_path
-from store.errors import InvalidRecordError, StagingRefusedError
+from store.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, wal_path
+from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError
 from store.events import (
     AdmissionBody,
     Completion,
@@ -30,7 +30,7 @@ from store.lineage.tree import RolloutLineage, RolloutSummary
 from store.lineage.versions import RolloutVersions, StaleReport
 from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
-from store.queries import CallInfo, Reader, StoredChunk, StoredCompletion, VersionSpan
+from store.queries import CallInfo, Reader, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
 from store.rebuild import LinearizedRollout
 from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
@@ -52,17 +52,31 @@ class StageEntry:
 class Store:
     """A durable token staging store (use ``open_store``).  Thread-safe; one per process."""
 
-    def __init__(self, url_or_path: str | os.PathLike[str], *, durability: str = "full") -> None:
+    def __init__(
+        self, url_or_path: str | os.PathLike[str], *, durability: str = "full", read_only: bool = False
+    ) -> None:
         self._url = resolve_url(url_or_path)
         self._durability = durability
+        self._read_only = arguments.flag("read_only", read_only)
         self._calls = CallGate()
-        self._engine, self._backend = create_store_engine(self._url, self._durability)
+        self._engine, self._backend = create_store_engine(self._url, self._durability, read_only=self._read_only)
         self._log = EventLog(
-            self._engine, self._backend, durable=self._durability == "full", wal_path=wal_path(self._url)
+            self._engine,
+            self._backend,
+            durable=self._durability == "full",
+            wal_path=wal_path(self._url),
+            read_only=self._read_only,
         )
         self._reader = Reader(self._engine)
         self._pid = os.getpid()
-        migrate(self._engine, self._backend)
+        try:
+            if self._read_only:
+                check_schema(self._engine, self._url)  # never migrates: the store stays as it is
+            else:
+                migrate(self._engine, self._backend)
+        except BaseException:
+            self._engine.dispose()
+            raise
         track_for_fork(self)
 
     def _check_process(self) -> None:
@@ -107,6 +121,11 @@ class Store:
     @property
     def backend(self) -> str:
         return self._backend.name
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the store was opened read-only (every write raises ``ReadOnlyStoreError``)."""
+        return self._read_only
 
     # --- the staging sink and source -------------------------------------------------------
 
@@ -209,6 +228,11 @@ class Store:
         """Every call (of one rollout, when given), in the order they were last written."""
         return self._reader.calls(arguments.optional_text("rollout_id", rollout_id))
 
+    @operation
+    def staged_keys(self, rollout_id: str | None = None) -> list[StagedKeyInfo]:
+        """Every live staging key (of one rollout and its attempts, when given), in key order."""
+        return tree.staged_keys(self._reader, arguments.optional_text("rollout_id", rollout_id))
+
     def version_spans(self, rollout_id: str, model_call_id: str) -> tuple[VersionSpan, ...]:
         """Which delta positions of the call each policy version generated."""
         info = self.call(rollout_id, model_call_id)
@@ -270,6 +294,8 @@ class Store:
     @operation
     def replay(self, *, repair: bool = False) -> ReplayReport:
         """Rebuild every projection from the log and compare; ``repair`` replaces differing rows."""
+        if repair is True and self._read_only:
+            raise ReadOnlyStoreError("replay(repair=True) writes; this store was opened read-only")
         return replay(self._engine, self._backend, repair=arguments.flag("repair", repair))
 
     @operation
@@ -388,11 +414,16 @@ def _owned(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) 
     return state is not None
 
 
-def open_store(url_or_path: str | os.PathLike[str], *, durability: str = "full") -> Store:
+def open_store(
+    url_or_path: str | os.PathLike[str], *, durability: str = "full", read_only: bool = False
+) -> Store:
     """Open (creating and migrating if needed) a store.
 
     A plain path is a SQLite file in WAL mode; ``postgresql://...`` uses PostgreSQL.
     ``durability="full"`` (default) makes every acknowledged stage survive power loss;
     ``"normal"`` may lose the last commits on power loss (never on a process crash).
+    ``read_only=True`` creates, migrates and changes nothing: the store must exist with
+    this library's schema (else ``StorageError``/``MigrationError``), and every write
+    raises ``ReadOnlyStoreError``.
     """
-    return Store(url_or_path, durability=durability)
+    return Store(url_or_path, durability=durability, read_only=read_only)

@@ -26,7 +26,7 @@ from store.lineage.family import (
     resolve_rollout,
     split_capture_key,
 )
-from store.queries import Reader, VersionSpan
+from store.queries import Reader, StagedKeyInfo, VersionSpan
 from store.records import GenerationCutContinuation, from_json
 
 
@@ -62,6 +62,7 @@ class LineageCall:
     admitted_at: float | None
     resumes: ResumedCut | None
     resumed_by: str | None  # the capture key of the attempt that continued this call, if any
+    writer_pid: int | None = None  # the process (worker) that admitted the call, from its admission event
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Admission:
 
     admitted_at: float
     continuation: GenerationCutContinuation | None
+    writer_pid: int
 
 
 _FAMILY_ADMISSIONS = (  # built once (see bound_family_clause)
@@ -125,7 +127,7 @@ def admissions(reader: Reader, rollout_id: str, keys: set[str]) -> dict[tuple[st
             if not isinstance(body, AdmissionBody):
                 raise CorruptRecordError(f"{describe(row._mapping)} is not an admission")
             found[(event.rollout_id, event.model_call_id)] = Admission(
-                float(row.recorded_at), _continuation(body, row._mapping)
+                float(row.recorded_at), _continuation(body, row._mapping), int(row.writer_pid)
             )
     return found
 
@@ -186,6 +188,7 @@ def _lineage_call(
         admitted_at=None if admission is None else admission.admitted_at,
         resumes=None if admission is None else _resumed(admission.continuation, present),
         resumed_by=resumed_by,
+        writer_pid=None if admission is None else admission.writer_pid,
     )
 
 
@@ -245,6 +248,16 @@ def rollouts(reader: Reader) -> list[RolloutSummary]:
             )
         )
     return summaries
+
+
+def staged_keys(reader: Reader, rollout_id: str | None = None) -> list[StagedKeyInfo]:
+    """Every live staging key, or those of ``rollout_id``'s calls over every attempt."""
+    keys = reader.keys()
+    if rollout_id is None:
+        return keys
+    bare = resolve_rollout(reader, rollout_id)
+    present = capture_keys(reader)
+    return [key for key in keys if split_capture_key(key.rollout_id, present).rollout_id == bare]
 
 
 def rollout_ids(reader: Reader) -> list[str]:

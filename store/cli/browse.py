@@ -1,0 +1,295 @@
+"""Read views: ``rollouts``, ``lineage`` (a rollout's call tree), ``keys`` and ``show`` (one key or call)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from store.cli import exits, output
+from store.cli.opening import STORE_HELP, read_only, store_and, store_argument
+
+if TYPE_CHECKING:
+    from store.lineage import LineageCall, RolloutLineage
+    from store.queries import CallInfo, StoredChunk
+
+JSON_HELP = "Print JSON instead of a table."
+
+
+@click.command(epilog=f"{STORE_HELP}\n\nExample: staging-store rollouts demo-store/demo.db")
+@store_argument
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def rollouts(store: str | None, as_json: bool) -> int:
+    """List every rollout with its attempts and its calls by state (newest attempt of each call)."""
+    with read_only(store) as opened:
+        found = opened.rollouts()
+    shaped: list[dict[str, Any]] = [
+        {
+            "rollout_id": summary.rollout_id,
+            "attempts": list(summary.attempts),
+            "calls": summary.calls,
+            "completed": summary.completed,
+            "failed": summary.failed,
+        }
+        for summary in found
+    ]
+    if as_json:
+        output.emit_json({"rollouts": shaped})
+    else:
+        output.show(
+            output.table(
+                f"{len(shaped)} rollout(s)",
+                ["rollout", "attempts", "calls", "completed", "failed"],
+                [[r["rollout_id"], ", ".join(r["attempts"]), r["calls"], r["completed"], r["failed"]] for r in shaped],
+            )
+        )
+    return exits.OK
+
+
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store lineage demo-store/demo.db demo-0\n\n"
+    "  STAGING_STORE=demo-store/demo.db staging-store lineage demo-0 --json",
+)
+@click.argument("arguments", nargs=-1, metavar="[STORE] ROLLOUT")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a tree.")
+def lineage(arguments: tuple[str, ...], as_json: bool) -> int:
+    """Show a rollout's call tree over every attempt: parents, continuations, states, versions, worker pids.
+
+    ROLLOUT is the bare rollout id (an attempt's capture key names its rollout too).
+    Exit 1 when the store has no such rollout.
+    """
+    store, rollout_id = store_and(arguments, "ROLLOUT")
+    with read_only(store) as opened:
+        found = opened.lineage(rollout_id)
+    if found is None:
+        raise exits.CommandError(f"no rollout {rollout_id!r} in the store", exits.PROBLEMS)
+    if as_json:
+        output.emit_json(lineage_json(found))
+    else:
+        output.show(_tree(found))
+    return exits.OK
+
+
+def lineage_json(found: RolloutLineage) -> dict[str, Any]:
+    return {
+        "rollout_id": found.rollout_id,
+        "attempts": list(found.attempts),
+        "calls": [_call_json(call) for call in found.calls],
+    }
+
+
+def _call_json(call: LineageCall) -> dict[str, Any]:
+    resumes = call.resumes
+    return {
+        "capture_key": call.capture_key,
+        "attempt": call.attempt,
+        "model_call_id": call.model_call_id,
+        "parent_call_id": call.parent_call_id,
+        "state": call.state,
+        "mode": call.mode,
+        "prev_len": call.prev_len,
+        "cum_len": call.cum_len,
+        "generated_tokens": call.generated_tokens,
+        "admitted_version": call.admitted_version,
+        "oldest_version": call.oldest_version,
+        "newest_version": call.newest_version,
+        "version_spans": [[span.start, span.end, span.weight_version] for span in call.version_spans],
+        "admitted_at": call.admitted_at,
+        "writer_pid": call.writer_pid,
+        "resumes": None
+        if resumes is None
+        else {
+            "capture_key": resumes.capture_key,
+            "attempt": resumes.attempt,
+            "model_call_id": resumes.model_call_id,
+            "checkpoint_id": resumes.checkpoint_id,
+            "staging_keys": list(resumes.staging_keys),
+            "generation_token_count": resumes.generation_token_count,
+        },
+        "resumed_by": call.resumed_by,
+    }
+
+
+def _versions(call: LineageCall) -> str:
+    if call.oldest_version is None:
+        return "no tokens"
+    if call.oldest_version == call.newest_version:
+        return f"v{call.oldest_version}"
+    return f"v{call.oldest_version}..v{call.newest_version}"
+
+
+def _label(call: LineageCall) -> str:
+    colour = {"completed": "green", "failed": "red"}.get(call.state, "yellow")
+    parts = [
+        f"[bold]{call.model_call_id}[/bold]",
+        f"[{colour}]{call.state}[/{colour}]",
+        f"{call.generated_tokens} generated of {call.cum_len if call.cum_len is not None else '?'} tokens",
+        _versions(call),
+    ]
+    if call.writer_pid is not None:
+        parts.append(f"pid {call.writer_pid}")
+    if call.resumes is not None:
+        cut = call.resumes
+        parts.append(
+            f"continues {cut.capture_key}/{cut.model_call_id} ({cut.generation_token_count} tokens reused"
+            + (f", {cut.checkpoint_id})" if cut.checkpoint_id else ")")
+        )
+    if call.resumed_by is not None:
+        parts.append(f"continued by {call.resumed_by}")
+    return "  ".join(parts)
+
+
+def _tree(found: RolloutLineage) -> Any:
+    from rich.markup import escape
+    from rich.tree import Tree
+
+    root = Tree(f"rollout [bold]{escape(found.rollout_id)}[/bold]")
+    for attempt_key in found.attempts:
+        calls = [call for call in found.calls if call.capture_key == attempt_key]
+        branch = root.add(f"attempt {calls[0].attempt if calls else '?'}: {escape(attempt_key)}")
+        nodes: dict[str, Any] = {}
+        for call in calls:  # parents commit before their children
+            parent = nodes.get(call.parent_call_id or "", branch)
+            nodes[call.model_call_id] = parent.add(_label(call))
+    return root
+
+
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store keys demo-store/demo.db\n\n"
+    "  staging-store keys demo-store/demo.db --rollout demo-0 --json",
+)
+@store_argument
+@click.option("--rollout", "rollout_id", metavar="ROLLOUT", help="Only this rollout's keys (every attempt).")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def keys(store: str | None, rollout_id: str | None, as_json: bool) -> int:
+    """List the live staging keys: the call each holds, its event and kind, its digest."""
+    with read_only(store) as opened:
+        found = opened.staged_keys(rollout_id)
+    shaped: list[dict[str, Any]] = [
+        {
+            "staging_key": key.staging_key,
+            "rollout_id": key.rollout_id,
+            "model_call_id": key.model_call_id,
+            "event_seq": key.event_seq,
+            "kind": key.kind,
+            "digest": key.digest,
+        }
+        for key in found
+    ]
+    if as_json:
+        output.emit_json({"keys": shaped})
+    else:
+        output.show(
+            output.table(
+                f"{len(shaped)} key(s)",
+                ["key", "call", "kind", "event", "digest"],
+                [
+                    [
+                        k["staging_key"],
+                        f"{k['rollout_id']}/{k['model_call_id']}",
+                        k["kind"],
+                        k["event_seq"],
+                        k["digest"][:16],
+                    ]
+                    for k in shaped
+                ],
+            )
+        )
+    return exits.OK
+
+
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store show demo-store/demo.db demo-0/call-1\n\n"
+    "  staging-store show demo-store/demo.db demo-0-a1/call-1 --tokens --json",
+)
+@click.argument("arguments", nargs=-1, metavar="[STORE] KEY")
+@click.option("--tokens", is_flag=True, help="Include the record's token ids, mask and log-probs.  [default: off]")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def show(arguments: tuple[str, ...], tokens: bool, as_json: bool) -> int:
+    """Show one staging key's record (verified) or one call (ROLLOUT/CALL) with its lineage fields.
+
+    KEY is a staging key (a call's key is ROLLOUT/CALL; cut keys start with
+    __generation_cut__/).  Exit 1 when it names neither a key nor a call.
+    """
+    from store.errors import UnknownKeyError
+
+    store, key = store_and(arguments, "KEY")
+    with read_only(store) as opened:
+        chunk: StoredChunk | None
+        try:
+            (chunk,) = opened.fetch_chunks([key])
+            opened.fetch([key])  # verifies the digest too
+        except UnknownKeyError:
+            chunk = None
+        call = None
+        if chunk is not None:
+            call = opened.call(chunk.snapshot.rollout_id, chunk.snapshot.model_call_id)
+        elif "/" in key:
+            rollout_id, _, model_call_id = key.rpartition("/")
+            call = opened.call(rollout_id, model_call_id) if rollout_id and model_call_id else None
+    if chunk is None and call is None:
+        raise exits.CommandError(f"no staging key or call {key!r} in the store", exits.PROBLEMS)
+    shaped: dict[str, Any] = {
+        "key": key,
+        "record": None if chunk is None else _record_json(chunk, tokens),
+        "call": None if call is None else call_json(call),
+    }
+    if as_json:
+        output.emit_json(shaped)
+    else:
+        rows: list[list[Any]] = []
+        for section in ("record", "call"):
+            for name, value in (shaped[section] or {}).items():
+                rows.append([section, name, value if not isinstance(value, list) else _short(value)])
+        output.show(output.table(key, ["part", "field", "value"], rows))
+    return exits.OK
+
+
+def _short(values: list[Any]) -> str:
+    return str(values) if len(values) <= 12 else f"{values[:12]} ... ({len(values)} items)"
+
+
+def _record_json(chunk: StoredChunk, tokens: bool) -> dict[str, Any]:
+    snapshot = chunk.snapshot
+    shaped: dict[str, Any] = {
+        "kind": chunk.kind.value,
+        "schema_version": snapshot.schema_version,
+        "rollout_id": snapshot.rollout_id,
+        "model_call_id": snapshot.model_call_id,
+        "parent_call_id": snapshot.parent_call_id,
+        "mode": snapshot.mode,
+        "prev_len": snapshot.prev_len,
+        "delta_len": snapshot.delta_len,
+        "cum_len": snapshot.cum_len,
+        "weight_version": snapshot.weight_version,
+        "generated_tokens": snapshot.generated_token_count,
+        "digest": snapshot.digest,
+        "extras_digest": snapshot.extras_digest,
+        "chain_hash": snapshot.chain_hash,
+        "cumulative_hash": snapshot.cumulative_hash,
+        "version_spans": [[start, end, version] for start, end, version in chunk.spans],
+    }
+    if tokens:
+        columns = snapshot.columns
+        shaped["token_ids"] = [int(v) for v in columns.token_ids]
+        shaped["token_mask"] = [float(v) for v in columns.token_mask]
+        shaped["generation_log_probs"] = [float(v) for v in columns.log_probs]
+    return shaped
+
+
+def call_json(call: CallInfo) -> dict[str, Any]:
+    return {
+        "rollout_id": call.rollout_id,
+        "model_call_id": call.model_call_id,
+        "state": call.state,
+        "parent_call_id": call.parent_call_id,
+        "mode": call.mode,
+        "prev_len": call.prev_len,
+        "cum_len": call.cum_len,
+        "generated_tokens": call.generated_tokens,
+        "continues": None if call.continues is None else list(call.continues),
+        "admitted_version": call.admitted_version,
+        "oldest_version": call.oldest_version,
+        "newest_version": call.newest_version,
+        "version_spans": [[span.start, span.end, span.weight_version] for span in call.version_spans],
+    }

@@ -1,0 +1,65 @@
+"""``export``: every rollout's verified, linearized rows as JSON Lines."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from store.cli import exits, output
+from store.cli.opening import STORE_HELP, read_only, shown, store_argument
+
+
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store export demo-store/demo.db -o rollouts.jsonl\n\n"
+    "  staging-store export demo-store/demo.db --rollout demo-0 | head -c 300",
+)
+@store_argument
+@click.option(
+    "-o",
+    "--output",
+    "target",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write the lines to FILE.  [default: stdout]",
+)
+@click.option("--rollout", "rollout_ids", multiple=True, metavar="ROLLOUT", help="Only this rollout (repeatable).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the export report as JSON (on stderr when the lines go to stdout).",
+)
+def export(store: str | None, target: Path | None, rollout_ids: tuple[str, ...], as_json: bool) -> int:
+    """Write one JSON object per linearized row of every rollout (verified as written).
+
+    Each line holds token_ids, token_mask, logprobs, model_call_ids, prompt_len,
+    weight_versions, token_policy_versions, ...; a rollout that fails to verify writes
+    nothing and is reported.  Exit 0 when every rollout was exported, 1 otherwise.
+    """
+    with read_only(store) as opened, output.progress_bar("exporting") as progress:
+        report = opened.export_jsonl(
+            target if target is not None else sys.stdout.buffer,
+            rollout_ids=list(rollout_ids) or None,
+            progress=progress,
+        )
+        where = shown(opened)
+    shaped = {
+        "store": where,
+        "output": str(target) if target is not None else "-",
+        "ok": report.ok,
+        "rollouts": report.rollouts,
+        "rows": report.rows,
+        "failures": [{"rollout_id": f.rollout_id, "code": f.code, "detail": f.detail} for f in report.failures],
+    }
+    to_stderr = target is None
+    if as_json:
+        import json
+
+        text = json.dumps(shaped, indent=2) + "\n"
+        (sys.stderr if to_stderr else sys.stdout).write(text)
+    else:
+        summary = f"exported {report.rows} row(s) of {report.rollouts} rollout(s) to {shaped['output']}"
+        lines = [summary] + [f"  not exported: {f.rollout_id}: {f.code}: {f.detail}" for f in report.failures]
+        (sys.stderr if to_stderr else sys.stdout).write("\n".join(lines) + "\n")
+    return exits.OK if report.ok else exits.PROBLEMS

@@ -1,0 +1,137 @@
+"""``staging-store``: the root command, lazy loading of its commands, and the one exit path."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from store.cli import exits
+
+# Each command and where it lives (module:function); a module is imported only when its
+# command runs or its help is shown.  Retention (retire, delete, forget, compact) and
+# ``workers`` join here as their library calls land: one module each.
+COMMANDS = {
+    "demo": "store.cli.demo:demo",
+    "audit": "store.cli.check:audit",
+    "replay": "store.cli.check:replay",
+    "rollouts": "store.cli.browse:rollouts",
+    "lineage": "store.cli.browse:lineage",
+    "keys": "store.cli.browse:keys",
+    "show": "store.cli.browse:show",
+    "versions": "store.cli.versions:versions",
+    "export": "store.cli.export:export",
+    "migrate": "store.cli.migrate:migrate",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, name = target.split(":")
+        command = getattr(importlib.import_module(module), name)
+        assert isinstance(command, click.Command)
+        return command
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("staging-store")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog="Exit codes: 0 ok, 1 problems found, 2 bad usage, 3 store unreadable or refused.  Try: staging-store demo",
+)
+@click.version_option(_version(), "--version", "-V", prog_name="staging-store", message="%(prog)s %(version)s")
+def cli() -> None:
+    """A durable token staging store for RL inference workers.
+
+    Every command takes the store as its first argument (a SQLite path or a postgresql://
+    URL) or reads $STAGING_STORE.  Read commands open it read-only and never change a byte;
+    only `migrate` and `replay --repair` write.  Every command has --json.
+    """
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (errors are one line on stderr)."""
+    try:
+        result: Any = cli.main(
+            args=list(argv) if argv is not None else None, prog_name="staging-store", standalone_mode=False
+        )
+        code = result if isinstance(result, int) else exits.OK
+    except click.exceptions.Exit as done:
+        code = done.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except (click.Abort, KeyboardInterrupt):
+        code = exits.INTERRUPTED
+    except exits.CommandError as exc:
+        code = _fail(str(exc), exc.code)
+    except BrokenPipeError:
+        code = _closed_pipe()
+    except Exception as exc:
+        code = _unexpected(exc)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _closed_pipe()
+    return code
+
+
+def _fail(message: str, code: int) -> int:
+    sys.stderr.write(f"staging-store: error: {message}\n")
+    return code
+
+
+def _unexpected(exc: Exception) -> int:
+    from store.errors import StoreError
+
+    if _caused_by_closed_pipe(exc):
+        return _closed_pipe()
+    if isinstance(exc, StoreError):
+        return _fail(exits.one_line(exc), exits.exit_code_for(exc))
+    if isinstance(exc, OSError):
+        return _fail(f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc), exits.UNREADABLE)
+    return _fail(f"unexpected {type(exc).__name__}: {exits.one_line(exc)}", exits.UNREADABLE)
+
+
+def _caused_by_closed_pipe(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, BrokenPipeError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _closed_pipe() -> int:
+    """The reader went away (``| head``): stop quietly; stdout is pointed at /dev/null so the
+    interpreter's final flush does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return exits.BROKEN_PIPE
+
+
+def run() -> None:
+    """The console script's entry point."""
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Which store a command works on (its first argument, or ``$STAGING_STORE``) and how it is opened."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+if TYPE_CHECKING:
+    from store.store import Store
+
+F = TypeVar("F", bound=Callable[..., Any])
+ENV = "STAGING_STORE"
+STORE_HELP = f"STORE is a SQLite path or a postgresql:// URL; when omitted, ${ENV} is used."
+
+
+def store_argument(function: F) -> F:
+    """The optional STORE argument of a command that takes no other argument."""
+    return click.argument("store", required=False, metavar="[STORE]")(function)
+
+
+def store_and(values: Sequence[str], name: str) -> tuple[str, str]:
+    """Split ``[STORE] NAME`` (a command's arguments) into the store and the other argument."""
+    if len(values) == 2:
+        return values[0], values[1]
+    if len(values) == 1:
+        return location(None), values[0]
+    if not values:
+        raise click.UsageError(f"missing {name}")
+    raise click.UsageError(f"expected [STORE] {name}, got {len(values)} arguments")
+
+
+def location(given: str | None) -> str:
+    """The store the user named, or ``$STAGING_STORE``."""
+    if given:
+        return given
+    from_env = os.environ.get(ENV, "")
+    if from_env:
+        return from_env
+    raise click.UsageError(f"no store given: pass STORE (a path or URL) or set {ENV}")
+
+
+def shown(store: Store) -> str:
+    """The store as the user knows it: a SQLite file's path, or the URL without its password."""
+    url = store.url
+    prefix = "sqlite+pysqlite:///"
+    return url[len(prefix) :] if url.startswith(prefix) else url
+
+
+@contextmanager
+def read_only(given: str | None) -> Iterator[Store]:
+    """Open the store read-only: nothing is created, migrated or changed."""
+    from store.store import open_store
+
+    with open_store(location(given), read_only=True) as store:
+        yield store
+
+
+@contextmanager
+def writable(given: str | None) -> Iterator[Store]:
+    """Open an existing store for writing (a write command); a missing file is refused, not created."""
+    from store.store import open_store
+
+    where = location(given)
+    with open_store(where, read_only=True):  # exists, is a store, has this schema: else a one-line error
+        pass
+    with open_store(where) as store:
+        yield store

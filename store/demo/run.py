@@ -1,0 +1,324 @@
+"""The coordinator side of the demo: start workers, cut, kill, restore, audit, export, verify."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from store.cut_records import GenerationCutInventory, GenerationCutPrefix, GenerationCutReceipt
+from store.demo.engine import ToyEngine
+from store.records import from_json, to_json
+from store.store import open_store
+
+TURNS = 3  # calls per rollout; the cut lands in turn 1 or 2
+CHECKPOINT = "checkpoint-1"
+POLICY_VERSION = 1  # the dead workers' weights; the fresh ones serve the checkpoint's version 2
+REPLY_TIMEOUT = 120.0
+LIMITS = {"rollouts": (1, 64), "workers": (1, 8), "tokens": (8, 4096)}
+
+Step = Callable[[str], object]
+
+
+class DemoError(Exception):
+    """Something in the demo did not go as it must (a worker failed, a check did not verify)."""
+
+
+class Events:
+    """What the coordinator observes: workers joining and lost, attempts superseded.
+
+    The seam for the coordinator (issue 9: its worker join/lost log) and for retiring the dead
+    attempt (issue 8: ``Store.retire``): until they land, these are only recorded here.
+    """
+
+    def __init__(self) -> None:
+        self.joined: list[int] = []
+        self.lost: list[int] = []
+        self.superseded: list[str] = []
+
+    def worker_joined(self, pid: int) -> None:
+        self.joined.append(pid)
+
+    def worker_lost(self, pid: int) -> None:
+        self.lost.append(pid)
+
+    def attempt_superseded(self, capture_key: str) -> None:
+        self.superseded.append(capture_key)
+
+
+@dataclass
+class Summary:
+    store: str
+    export: str
+    rollouts: int = 0
+    calls: int = 0
+    records: int = 0
+    tokens_staged: int = 0
+    tokens_reused: int = 0  # restored from cut prefixes: never decoded again
+    tokens_regenerated: int = 0  # decoded before the kill, after the cut: lost, decoded again
+    tokens_after_restore: int = 0  # decoded by the fresh workers in the cut calls (regenerated included)
+    continuations_validated: int = 0
+    workers_lost: int = 0
+    workers_rejoined: int = 0
+    audit_ok: bool = False
+    audit_problems: int = 0
+    exported_rows: int = 0
+    rollouts_identical: int = 0
+    seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def check_options(rollouts: int, workers: int, tokens: int) -> None:
+    for name, value in (("rollouts", rollouts), ("workers", workers), ("tokens", tokens)):
+        low, high = LIMITS[name]
+        if not low <= value <= high:
+            raise ValueError(f"--{name} must be between {low} and {high}, got {value}")
+
+
+class Worker:
+    """One worker process and the JSON lines it reports."""
+
+    def __init__(self, path: str, job: dict[str, Any]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "store.demo.worker", path, json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def expect(self, event: str) -> dict[str, Any]:
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DemoError(f"worker {self.process.pid} sent no {event!r} in {REPLY_TIMEOUT:.0f} s") from None
+            if line is None:
+                self.process.wait(timeout=30)
+                assert self.process.stderr is not None
+                tail = self.process.stderr.read().strip().splitlines()[-1:] or ["no output"]
+                raise DemoError(f"worker {self.process.pid} exited ({self.process.returncode}): {tail[0]}")
+            message: dict[str, Any] = json.loads(line)
+            if message.get("event") == event:
+                return message
+
+    def send(self, text: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(text + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> int:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        return self.process.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def _plans(run: str, rollouts: int, tokens: int, seed: int) -> list[dict[str, Any]]:
+    """Each rollout's id, its cut turn (1 or 2) and how far that turn decodes before the cut."""
+    plans = []
+    for index in range(rollouts):
+        cut_after = max(1, tokens * (1 + (index + seed) % 3) // 4)  # a quarter, half or three quarters
+        plans.append(
+            {
+                "index": index,
+                "rollout_id": f"{run}-r{index}",
+                "cut_turn": 1 + (index + seed) % (TURNS - 1),
+                "cut_after": cut_after,
+            }
+        )
+    return plans
+
+
+def _run_id(path: str) -> str:
+    """``runN``: a new name for each demo run into the same store (re-running needs no cleanup)."""
+    with open_store(path) as store:
+        ids = {summary.rollout_id.split("-")[0] for summary in store.rollouts()}
+    number = 1
+    while f"run{number}" in ids:
+        number += 1
+    return f"run{number}"
+
+
+def run_demo(path: str, *, rollouts: int, workers: int, tokens: int, seed: int, step: Step | None = None) -> Summary:
+    """Run the whole story; ``step(label)`` is told of each phase.  Failures are in ``summary.failures``."""
+    check_options(rollouts, workers, tokens)
+    started = time.perf_counter()
+    say = step or (lambda _label: None)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    run = _run_id(path)
+    engine = ToyEngine(seed, tokens, TURNS)
+    plans = _plans(run, rollouts, tokens, seed)
+    workers = min(workers, rollouts)
+    shares = [plans[i::workers] for i in range(workers)]
+    export_path = str(Path(path).with_suffix(".jsonl"))
+    summary = Summary(store=str(Path(path).resolve()), export=str(Path(export_path).resolve()), rollouts=rollouts)
+    events = Events()
+    started_workers: list[Worker] = []
+    try:
+        say(f"starting {workers} workers (attempt 0, policy version {POLICY_VERSION})")
+        first = [
+            Worker(
+                path,
+                {
+                    "phase": "serve",
+                    "seed": seed,
+                    "tokens": tokens,
+                    "turns": TURNS,
+                    "version": POLICY_VERSION,
+                    "rollouts": share,
+                },
+            )
+            for share in shares
+        ]
+        started_workers += first
+        inflight = [worker.expect("inflight") for worker in first]
+        for report in inflight:
+            events.worker_joined(report["pid"])
+        say(f"{CHECKPOINT}: cutting {rollouts} calls mid-decoding")
+        acks: dict[str, str] = {}
+        for number, (worker, report) in enumerate(zip(first, inflight, strict=True)):
+            inventory = GenerationCutInventory.build(
+                checkpoint_id=CHECKPOINT,
+                server_name=f"worker-{number}",
+                active_prefixes=[
+                    GenerationCutPrefix(
+                        ticket_id=f"ticket-{call['rollout_id']}",
+                        rollout_id=call["rollout_id"],
+                        attempt_index=0,
+                        model_call_id=call["model_call_id"],
+                        admitted_at=float(call["admitted_at"]),
+                    )
+                    for call in report["calls"]
+                ],
+            )
+            worker.send(to_json(inventory).decode())
+            receipt = from_json(worker.expect("receipt")["receipt"].encode(), GenerationCutReceipt)
+            receipt.validate_for(inventory)
+            for ack in receipt.prefixes:
+                acks[ack.rollout_id] = to_json(ack).decode()
+            summary.tokens_regenerated += int(worker.expect("decoding")["lost"])
+        say(f"killing every worker with SIGKILL ({len(first)} processes)")
+        for worker in first:
+            if worker.kill() == -signal.SIGKILL:
+                events.worker_lost(worker.process.pid)
+                summary.workers_lost += 1
+            else:
+                summary.failures.append(f"worker {worker.process.pid} was not killed by SIGKILL")
+        say(f"starting {workers} fresh workers (attempt 1, policy version {POLICY_VERSION + 1})")
+        fresh = [
+            Worker(
+                path,
+                {
+                    "phase": "resume",
+                    "seed": seed,
+                    "tokens": tokens,
+                    "turns": TURNS,
+                    "version": POLICY_VERSION + 1,
+                    "rollouts": [dict(plan, ack=acks[plan["rollout_id"]]) for plan in share],
+                },
+            )
+            for share in shares
+        ]
+        started_workers += fresh
+        for worker, share in zip(fresh, shares, strict=True):
+            for _ in share:
+                done = worker.expect("done")
+                summary.tokens_reused += done["restored"]
+                summary.tokens_after_restore += done["decoded"]
+                summary.continuations_validated += 1 if done["restored"] else 0
+                events.attempt_superseded(done["rollout_id"])
+            if worker.process.wait(timeout=REPLY_TIMEOUT) == 0:
+                events.worker_joined(worker.process.pid)
+                summary.workers_rejoined += 1
+            else:
+                summary.failures.append(f"fresh worker {worker.process.pid} exited {worker.process.returncode}")
+    finally:
+        for worker in started_workers:
+            worker.close()
+    _verify(path, export_path, engine, plans, summary, say)
+    summary.seconds = round(time.perf_counter() - started, 2)
+    return summary
+
+
+def _verify(
+    path: str, export_path: str, engine: ToyEngine, plans: list[dict[str, Any]], summary: Summary, say: Step
+) -> None:
+    """Audit, export, and check every exported rollout against the same rollout decoded without a crash."""
+    wanted = [plan["rollout_id"] for plan in plans]
+    with open_store(path, read_only=True) as store:
+        say("auditing the store")
+        audit = store.audit()
+        summary.audit_ok, summary.audit_problems = audit.ok, audit.problems_total
+        if not audit.ok:
+            summary.failures.append(f"the audit found {audit.problems_total} problem(s): {audit.problems[0]}")
+        for plan in plans:
+            lineage = store.lineage(plan["rollout_id"])
+            if lineage is None:
+                summary.failures.append(f"{plan['rollout_id']} is not in the store")
+                continue
+            summary.calls += sum(1 for call in lineage.calls if call.state == "completed")
+            cut = next((c for c in lineage.calls if c.resumes is not None), None)
+            if cut is None or cut.resumes is None or cut.resumes.generation_token_count < 1:
+                summary.failures.append(f"{plan['rollout_id']}: no call continued a cut")
+        keys = [key.staging_key for key in store.staged_keys() if _ours(key.rollout_id, wanted)]
+        records = store.fetch_chunks(keys)
+        summary.records = len(records)
+        summary.tokens_staged = sum(chunk.snapshot.delta_len for chunk in records)
+        say(f"exporting to {export_path}")
+        report = store.export_jsonl(export_path, rollout_ids=wanted)
+    summary.exported_rows = report.rows
+    for failure in report.failures:
+        summary.failures.append(f"{failure.rollout_id} was not exported: {failure.code}: {failure.detail}")
+    rows = {}
+    with open(export_path, encoding="utf-8") as lines:
+        for line in lines:
+            row = json.loads(line)
+            rows[row["rollout_id"]] = row
+    for plan in plans:
+        row = rows.get(plan["rollout_id"])
+        ids, mask, logprobs = engine.expected(plan["index"])
+        if row is None:
+            summary.failures.append(f"{plan['rollout_id']}: no exported row")
+        elif (row["token_ids"], row["token_mask"], row["logprobs"]) != (ids, mask, logprobs):
+            summary.failures.append(f"{plan['rollout_id']}: exported tokens differ from an uninterrupted run")
+        else:
+            summary.rollouts_identical += 1
+
+
+def _ours(capture: str, rollout_ids: list[str]) -> bool:
+    """Whether a key's call belongs to this run (a cut chunk's key row names its call's capture key)."""
+    return any(capture == rid or capture.startswith(f"{rid}-a") for rid in rollout_ids)
