@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import pytest
 from capture_helpers import continuation_from
 from factories import make_record
 from hypothesis import HealthCheck, settings
@@ -47,6 +48,7 @@ from store import (
     GenerationCutPrefix,
     GenerationCutPrefixAck,
     GenerationCutReceipt,
+    ReadOnlyStoreError,
     ReceiptVerificationError,
     RolloutTokenCapture,
     Store,
@@ -460,6 +462,23 @@ class StoreMachine(RuleBasedStateMachine):
             assert sum(self.store.version_tokens(rollout_id).values()) == generated
             if generated:  # every version so far is behind version + 1
                 assert (rollout_id, capture_key(rollout_id, attempt)) in stale
+
+    @rule()
+    def read_only_view(self) -> None:
+        """A read-only store beside the writer: the same keys and calls, and every write refused."""
+        self.steps["read_only_view"] += 1
+        listed = {key.staging_key: key for key in self.store.staged_keys()}
+        for key, expected in self.acked.items():
+            if key not in self.cleared:
+                found = listed[key]
+                assert (found.rollout_id, found.model_call_id) == (expected.rollout_id, expected.model_call_id)
+        assert not self.cleared & set(listed)
+        with open_store(self.path, read_only=True) as reader:
+            assert {key.staging_key for key in reader.staged_keys()} == set(listed)
+            assert reader.calls() == self.store.calls()
+            with pytest.raises(ReadOnlyStoreError):
+                reader.record_failure("read-only", "c0", "must not be written")
+        assert self.store.call("read-only", "c0") is None
 
     @precondition(lambda self: self.unexported_endings)
     @rule()

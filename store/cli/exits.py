@@ -10,6 +10,10 @@ BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe e
 INTERRUPTED = 130  # 128 + SIGINT
 
 
+class ClosedPipe(Exception):
+    """stdout's reader went away (``| head``); raised past click, which would exit 1 on it."""
+
+
 class CommandError(Exception):
     """A failure the command line reports as one line on stderr, with its exit code."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -41,6 +42,14 @@ class LazyGroup(click.Group):
         command = getattr(importlib.import_module(module), name)
         assert isinstance(command, click.Command)
         return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise exits.ClosedPipe() from exc
+            raise
 
 
 def _version() -> str:
@@ -83,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = exits.INTERRUPTED
     except exits.CommandError as exc:
         code = _fail(str(exc), exc.code)
-    except BrokenPipeError:
+    except (BrokenPipeError, exits.ClosedPipe):
         code = _closed_pipe()
     except Exception as exc:
         code = _unexpected(exc)

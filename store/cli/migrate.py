@@ -51,9 +51,9 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
         if before is not None and before not in SCHEMA_REVISIONS:
             raise MigrationError(f"{where} has schema {before!r}, newer than this library's {SCHEMA_REVISION}")
     with open_store(where) as opened:
-        shown = shown(opened)
+        where_shown = shown(opened)
     shaped = {
-        "store": shown,
+        "store": where_shown,
         "from_revision": before,
         "to_revision": SCHEMA_REVISION,
         "changed": before != SCHEMA_REVISION,
@@ -61,9 +61,9 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
     if as_json:
         output.emit_json(shaped)
     elif before == SCHEMA_REVISION:
-        output.show(f"{shown} is at schema {SCHEMA_REVISION}: nothing to do")
+        output.show(f"{where_shown} is at schema {SCHEMA_REVISION}: nothing to do")
     else:
-        output.show(f"{shown}: schema {before or '(new store)'} -> {SCHEMA_REVISION}")
+        output.show(f"{where_shown}: schema {before or '(new store)'} -> {SCHEMA_REVISION}")
     return exits.OK
 
 
