@@ -23,8 +23,12 @@ def emit_json(value: Any) -> None:
 def console() -> Console:
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1; the command line exits quietly with 141
+            raise BrokenPipeError
+
     # Piped output is not squeezed to 80 columns (rich's default without a terminal).
-    return Console(soft_wrap=False, highlight=False, width=None if sys.stdout.isatty() else 160)
+    return _Console(soft_wrap=False, highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def show(*renderables: RenderableType | str) -> None:

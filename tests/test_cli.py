@@ -1,0 +1,408 @@
+"""``staging-store`` through its real entry points: ``store.cli.main``, click's runner, the installed script.
+
+One demo run (worker processes, a cut, SIGKILL, restore) builds the store the read commands
+are tried on; commands that damage or repair work on copies of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from store.cli import main
+from store.cli.main import COMMANDS, cli
+
+SCRIPT = Path(sys.executable).with_name("staging-store")
+READ_COMMANDS = ["audit", "rollouts", "keys", "versions", "export", "replay", "lineage", "show"]
+
+
+def folder_state(folder: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in sorted(os.listdir(folder))}
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def script(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def assert_one_line_error(err: str) -> None:
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("staging-store: error: "), err
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The demo, run by the installed script: 3 rollouts, 2 workers, 24 tokens a call."""
+    path = tmp_path_factory.mktemp("demo") / "demo.db"
+    done = script("demo", "--path", str(path), "--rollouts", "3", "--workers", "2", "--tokens", "24", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return path, json.loads(done.stdout)
+
+
+@pytest.fixture
+def copy(demo: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
+    target = tmp_path / "store" / "demo.db"
+    target.parent.mkdir()
+    shutil.copyfile(demo[0], target)
+    return target
+
+
+def command_args(command: str, store: str) -> list[str]:
+    extra = {"lineage": ["run1-r0"], "show": ["run1-r0/c0"], "export": ["-o", os.devnull]}.get(command, [])
+    return [command, store, *extra]
+
+
+# --- the demo ------------------------------------------------------------------------------------
+
+
+def test_the_demo_cuts_kills_restores_and_verifies(demo: tuple[Path, dict[str, Any]], capsys: Any) -> None:
+    path, summary = demo
+    assert summary["ok"] and summary["failures"] == []
+    assert (summary["rollouts"], summary["calls"], summary["rollouts_identical"]) == (3, 9, 3)
+    assert summary["continuations_validated"] == 3  # every cut call continued from its staged prefix
+    assert (summary["workers_lost"], summary["workers_rejoined"]) == (2, 2)
+    assert summary["tokens_reused"] > 0 and summary["tokens_regenerated"] > 0
+    assert summary["tokens_reused"] + summary["tokens_after_restore"] == 3 * 24
+    assert summary["audit_ok"] and summary["exported_rows"] == 3
+    assert summary["store"] == str(path) and Path(summary["export"]).is_file()
+    code, out, _ = run(capsys, "audit", str(path), "--json")
+    assert code == 0 and json.loads(out)["ok"]
+    code, out, _ = run(capsys, "lineage", str(path), "run1-r0", "--json")
+    calls = json.loads(out)["calls"]
+    continued = [call for call in calls if call["resumes"] is not None]
+    assert len(continued) == 1 and continued[0]["capture_key"] == "run1-r0-a1"
+    assert continued[0]["resumes"]["checkpoint_id"] == "checkpoint-1"
+    pids = {call["writer_pid"] for call in calls}
+    assert len(pids) == 2 and None not in pids  # the dead worker and the fresh one
+
+
+def test_a_second_demo_run_adds_to_the_store(copy: Path, capsys: Any) -> None:
+    small = ["--rollouts", "1", "--workers", "1", "--tokens", "8"]
+    code, out, _ = run(capsys, "demo", "--path", str(copy), *small, "--json")
+    assert code == 0, out
+    assert json.loads(out)["ok"]
+    code, out, _ = run(capsys, "rollouts", str(copy), "--json")
+    ids = [rollout["rollout_id"] for rollout in json.loads(out)["rollouts"]]
+    assert ids == ["run1-r0", "run1-r1", "run1-r2", "run2-r0"]
+
+
+@pytest.mark.parametrize(
+    "option", [["--rollouts", "0"], ["--workers", "9"], ["--tokens", "7"], ["--seed", "-1"], ["--rollouts", "x"]]
+)
+def test_demo_options_are_validated(option: list[str], tmp_path: Path, capsys: Any) -> None:
+    code, _, err = run(capsys, "demo", "--path", str(tmp_path / "d.db"), *option)
+    assert code == 2 and "Invalid value" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+# --- JSON shapes and output -------------------------------------------------------------------------
+
+
+def test_json_shapes(demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any) -> None:
+    store = str(demo[0])
+
+    def shape(*args: str) -> Any:
+        code, out, _ = run(capsys, *args, "--json")
+        assert code == 0, out
+        return json.loads(out)
+
+    audit = shape("audit", store)
+    assert set(audit) == {"store", "ok", "counts", "problems_total", "problems"}
+    assert audit["counts"]["continuations"] == 3
+    replay = shape("replay", store)
+    assert set(replay) == {"store", "ok", "events", "repaired", "differences_total", "differences", "undecodable"}
+    rollouts = shape("rollouts", store)["rollouts"]
+    assert set(rollouts[0]) == {"rollout_id", "attempts", "calls", "completed", "failed"}
+    assert rollouts[0]["attempts"] == ["run1-r0", "run1-r0-a1"]
+    lineage = shape("lineage", store, "run1-r0")
+    assert set(lineage) == {"rollout_id", "attempts", "calls"}
+    assert set(lineage["calls"][0]) == {
+        "capture_key", "attempt", "model_call_id", "parent_call_id", "state", "mode", "prev_len", "cum_len",
+        "generated_tokens", "admitted_version", "oldest_version", "newest_version", "version_spans",
+        "admitted_at", "writer_pid", "resumes", "resumed_by",
+    }  # fmt: skip
+    keys = shape("keys", store, "--rollout", "run1-r0")["keys"]
+    assert set(keys[0]) == {"staging_key", "rollout_id", "model_call_id", "event_seq", "kind", "digest"}
+    assert {key["kind"] for key in keys} >= {"call_completed", "prefix_staged"}  # the cut's prefix too
+    shown = shape("show", store, "run1-r0/c0", "--tokens")
+    assert set(shown) == {"key", "record", "call"}
+    assert len(shown["record"]["token_ids"]) == shown["record"]["delta_len"]
+    assert shown["call"]["state"] == "completed"
+    versions = shape("versions", store, "--stale", "2", "--max-lag", "0")
+    assert set(versions) == {"tokens_by_version", "rollouts", "stale"}
+    assert set(versions["tokens_by_version"]) == {"1", "2"}
+    assert versions["stale"]["stale_tokens"] == int(versions["tokens_by_version"]["1"])
+    target = tmp_path / "rows.jsonl"
+    export = shape("export", store, "-o", str(target))
+    assert set(export) == {"store", "output", "ok", "rollouts", "rows", "failures"}
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(rows) == export["rows"] == 3 and rows[0]["rollout_id"] == "run1-r0"
+
+
+def test_human_output(demo: tuple[Path, dict[str, Any]], capsys: Any) -> None:
+    store = str(demo[0])
+    code, out, _ = run(capsys, "audit", store)
+    assert code == 0 and "audit ok" in out
+    code, out, _ = run(capsys, "lineage", store, "run1-r0")
+    assert code == 0 and "continues run1-r0/c" in out and "attempt 1: run1-r0-a1" in out
+    code, out, err = run(capsys, "export", store, "--rollout", "run1-r1")
+    assert code == 0 and json.loads(out.splitlines()[0])["rollout_id"] == "run1-r1"
+    assert "exported 1 row(s) of 1 rollout(s)" in err  # the lines own stdout; the summary goes to stderr
+
+
+def test_the_store_may_come_from_the_environment(
+    demo: tuple[Path, dict[str, Any]], capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAGING_STORE", str(demo[0]))
+    code, out, _ = run(capsys, "lineage", "run1-r1", "--json")
+    assert code == 0 and json.loads(out)["rollout_id"] == "run1-r1"
+    code, out, _ = run(capsys, "rollouts", "--json")
+    assert code == 0 and len(json.loads(out)["rollouts"]) == 3
+
+
+# --- exit codes ------------------------------------------------------------------------------------
+
+
+def test_exit_codes(demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    store = str(demo[0])
+    monkeypatch.delenv("STAGING_STORE", raising=False)
+    code, _, err = run(capsys, "show", store, "run1-r0/c9")
+    assert code == 1
+    assert_one_line_error(err)
+    code, _, err = run(capsys, "lineage", store, "nope")
+    assert code == 1
+    assert_one_line_error(err)
+    code, _, err = run(capsys, "audit")
+    assert code == 2 and "STAGING_STORE" in err
+    code, _, err = run(capsys, "audit", store, "--bogus")
+    assert code == 2 and "No such option" in err
+    code, _, err = run(capsys, "versions", store, "--stale", "-1")
+    assert code == 2
+    code, _, err = run(capsys, "nonsense")
+    assert code == 2
+    code, _, err = run(capsys, "audit", str(tmp_path / "typo.db"))
+    assert code == 3 and "typo.db" in err
+    assert_one_line_error(err)
+
+
+def test_damage_is_problems_found(copy: Path, capsys: Any) -> None:
+    with sqlite3.connect(copy) as connection:
+        seq, ids = connection.execute(
+            "SELECT e.seq, e.token_ids FROM events e JOIN staged_keys k ON k.event_seq = e.seq "
+            "WHERE k.staging_key = 'run1-r0/c0'"
+        ).fetchone()
+        damaged = bytes(ids[:-1]) + bytes([ids[-1] ^ 1])
+        connection.execute("UPDATE events SET token_ids = ? WHERE seq = ?", (damaged, seq))
+    connection.close()
+    code, out, _ = run(capsys, "audit", str(copy), "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and report["problems"][0]["seq"] == seq
+    assert report["problems"][0]["code"] == "checksum"
+    code, out, _ = run(capsys, "replay", str(copy), "--json")
+    assert code == 1 and json.loads(out)["undecodable"][0]["seq"] == seq
+    code, _, err = run(capsys, "show", str(copy), "run1-r0/c0")
+    assert code == 3
+    assert_one_line_error(err)
+    code, out, _ = run(capsys, "export", str(copy), "--json", "-o", os.devnull)
+    assert code == 1 and json.loads(out)["failures"][0]["code"] == "corrupt_record"
+
+
+def test_replay_repair_is_the_write_command(copy: Path, capsys: Any) -> None:
+    with sqlite3.connect(copy) as connection:
+        connection.execute("DELETE FROM calls WHERE rollout_id = 'run1-r1' AND model_call_id = 'c0'")
+    connection.close()
+    before = folder_state(copy.parent)
+    code, out, _ = run(capsys, "replay", str(copy), "--json")
+    assert code == 1 and json.loads(out)["differences_total"] == 1
+    assert folder_state(copy.parent) == before  # without --repair nothing changes
+    code, out, _ = run(capsys, "replay", str(copy), "--repair", "--json")
+    assert code == 0 and json.loads(out)["repaired"]
+    code, out, _ = run(capsys, "replay", str(copy))
+    assert code == 0 and "every projection matches the log" in out
+
+
+def test_migrate(copy: Path, tmp_path: Path, capsys: Any) -> None:
+    code, out, _ = run(capsys, "migrate", str(copy), "--json")
+    assert code == 0 and json.loads(out) == {
+        "store": str(copy), "from_revision": "0002", "to_revision": "0002", "changed": False,
+    }  # fmt: skip
+    new = tmp_path / "new.db"
+    code, _, err = run(capsys, "migrate", str(new))
+    assert code == 3 and "--create" in err and not new.exists()
+    code, out, _ = run(capsys, "migrate", str(new), "--create", "--json")
+    assert code == 0 and json.loads(out)["from_revision"] is None
+    code, _, _ = run(capsys, "audit", str(new))
+    assert code == 0
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    with sqlite3.connect(theirs / "notes.db") as connection:
+        connection.execute("CREATE TABLE notes (body TEXT)")
+    connection.close()
+    before = folder_state(theirs)
+    code, _, err = run(capsys, "migrate", str(theirs / "notes.db"))
+    assert code == 3 and "not a store" in err
+    assert folder_state(theirs) == before
+    with sqlite3.connect(copy) as connection:
+        connection.execute("UPDATE alembic_version SET version_num = '9999'")
+    connection.close()
+    before = folder_state(copy.parent)
+    for args in (["migrate", str(copy)], ["audit", str(copy)]):
+        code, _, err = run(capsys, *args)
+        assert code == 3 and "newer" in err
+        assert_one_line_error(err)
+    assert folder_state(copy.parent) == before
+
+
+# --- read commands never change a byte ------------------------------------------------------------
+
+
+def _target(kind: str, folder: Path, demo_path: Path) -> Path:
+    path = folder / "target.db"
+    if kind == "text":
+        path.write_text("these are my notes\n" * 50)
+    elif kind == "sqlite":
+        with sqlite3.connect(path) as connection:
+            connection.execute("CREATE TABLE notes (body TEXT)")
+            connection.execute("INSERT INTO notes VALUES ('mine')")
+        connection.close()
+    elif kind in ("store", "corrupted"):
+        shutil.copyfile(demo_path, path)
+        if kind == "corrupted":  # random bytes in the middle of the file
+            data = bytearray(path.read_bytes())
+            for offset in range(len(data) // 3, len(data) // 3 + 4096, 97):
+                data[offset] ^= 0x5A
+            path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["missing", "text", "sqlite", "corrupted", "store"])
+def test_read_commands_leave_every_byte_unchanged(
+    kind: str, demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any
+) -> None:
+    folder = tmp_path / "target"
+    folder.mkdir()
+    path = _target(kind, folder, demo[0])
+    before = folder_state(folder)
+    for command in READ_COMMANDS:
+        code, out, err = run(capsys, *command_args(command, str(path)))
+        assert "Traceback" not in out + err, (command, err)
+        assert folder_state(folder) == before, command
+        if kind in ("missing", "text", "sqlite"):
+            assert code == 3, (command, code, err)
+            assert_one_line_error(err)
+        elif kind == "store":
+            assert code == 0, (command, err)
+        else:
+            assert code in (0, 1, 3), (command, code, err)
+            if code == 3:
+                assert_one_line_error(err)
+    if kind == "corrupted":
+        code, _, _ = run(capsys, "audit", str(path))
+        assert code != 0  # the damage is found, whatever form it takes
+
+
+# --- help, version, speed ---------------------------------------------------------------------------
+
+
+def test_every_command_has_help_with_a_description_defaults_and_an_example() -> None:
+    runner = CliRunner()
+    for command in COMMANDS:
+        result = runner.invoke(cli, [command, "--help"])
+        assert result.exit_code == 0, command
+        text = result.output
+        assert "Example" in text, command
+        description = text.split("\n\n")[1].strip()
+        assert len(description) > 20, command
+    assert "default: 8" in runner.invoke(cli, ["demo", "--help"]).output
+    top = runner.invoke(cli, ["--help"]).output
+    for command in COMMANDS:
+        assert command in top
+    assert "Exit codes" in top
+
+
+def test_version(capsys: Any) -> None:
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("staging-store 0.")
+
+
+def test_help_imports_no_database_code() -> None:
+    """--help answers without importing SQLAlchemy, numpy or the store's modules (checked, not timed)."""
+    probe = (
+        "import sys\n"
+        "from store.cli import main\n"
+        "for args in (['--help'], ['audit', '--help'], ['demo', '--help'], ['--version']):\n"
+        "    assert main(args) == 0\n"
+        "heavy = [m for m in ('sqlalchemy', 'numpy', 'store.store', 'msgspec') if m in sys.modules]\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stderr
+
+
+# --- the installed script: pipes and signals ----------------------------------------------------------
+
+
+def test_the_installed_script_runs_a_read_command(demo: tuple[Path, dict[str, Any]]) -> None:
+    done = script("versions", str(demo[0]), "--json")
+    assert done.returncode == 0 and set(json.loads(done.stdout)) == {"tokens_by_version", "rollouts", "stale"}
+    done = script("audit", str(demo[0].with_name("typo.db")))
+    assert done.returncode == 3
+    assert_one_line_error(done.stderr)
+
+
+@pytest.mark.parametrize("command", ["export", "keys", "lineage", "audit"])
+def test_a_closed_pipe_ends_quietly(command: str, demo: tuple[Path, dict[str, Any]]) -> None:
+    args = {"lineage": ["run1-r0"]}.get(command, [])
+    proc = subprocess.Popen(
+        [str(SCRIPT), command, str(demo[0]), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line is written (`| head -0`)
+    code = proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert code == 141 and err == ""
+
+
+@pytest.fixture
+def no_stray_workers() -> Iterator[None]:
+    yield
+    # The demo's workers are children of the demo; none must outlive an interrupted demo.
+    listed = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False).stdout
+    assert "store.demo.worker" not in listed
+
+
+def test_ctrl_c_ends_the_demo_quietly(tmp_path: Path, no_stray_workers: None) -> None:
+    proc = subprocess.Popen(
+        [str(SCRIPT), "demo", "--path", str(tmp_path / "d.db"), "--rollouts", "4", "--tokens", "512"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)  # workers started, rollouts being served
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and out == ""
