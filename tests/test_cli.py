@@ -322,6 +322,50 @@ def test_read_commands_leave_every_byte_unchanged(
         assert code != 0  # the damage is found, whatever form it takes
 
 
+def test_read_commands_on_any_backend(store_url: str, capsys: Any) -> None:
+    """The same commands on SQLite and PostgreSQL (a store made through the library)."""
+    from factories import make_record
+
+    from store import open_store
+
+    with open_store(store_url) as made:
+        assert made.stage(make_record(rollout_id="r0", model_call_id="c0")).ok
+    code, out, _ = run(capsys, "audit", store_url, "--json")
+    assert code == 0 and json.loads(out)["ok"]
+    code, out, _ = run(capsys, "keys", store_url, "--json")
+    assert code == 0 and [key["staging_key"] for key in json.loads(out)["keys"]] == ["r0/c0"]
+    code, out, _ = run(capsys, "replay", store_url, "--repair", "--json")
+    assert code == 0 and json.loads(out)["ok"]
+    code, _, _ = run(capsys, "migrate", store_url)
+    assert code == 0
+    if store_url.startswith("postgresql"):
+        missing = store_url.rsplit("/", 1)[0] + "/no_such_database_here"
+        code, _, err = run(capsys, "audit", missing)
+        assert code == 3 and "does not exist" in err and "FATAL" not in err
+        assert_one_line_error(err)
+
+
+def test_a_progress_bar_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from store.cli import output
+
+    with output.progress_bar("quiet") as progress:
+        assert progress is None  # stderr is not a terminal under pytest
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with output.progress_bar("drawn") as progress:
+        assert progress is not None
+        progress(0, 2)
+        progress(2, 2)
+
+
+def test_the_demo_refuses_a_file_that_is_not_a_store(tmp_path: Path, capsys: Any) -> None:
+    notes = tmp_path / "notes.db"
+    notes.write_text("mine\n")
+    before = folder_state(tmp_path)
+    code, _, err = run(capsys, "demo", "--path", str(notes))
+    assert code == 3 and "not a store" in err
+    assert folder_state(tmp_path) == before
+
+
 # --- help, version, speed ---------------------------------------------------------------------------
 
 

@@ -31,6 +31,16 @@ def test_every_cli_command_is_documented_in_the_readme() -> None:
         assert f"`{code}`" in part, code
 
 
+def test_every_public_name_loads_on_first_use() -> None:
+    """``store`` imports its names lazily: each one named in ``__all__`` resolves to its module's object."""
+    import importlib
+
+    assert set(store._MODULES) == set(store.__all__)
+    for name, module in store._MODULES.items():
+        assert getattr(store, name) is getattr(importlib.import_module(module), name), name
+    assert set(store.__all__) <= set(dir(store))
+
+
 def test_the_readme_library_example_runs(tmp_path: Path) -> None:
     example = re.findall(r"```python\n(.*?)```", README, re.S)[0]
     result = subprocess.run(

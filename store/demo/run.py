@@ -178,6 +178,8 @@ def run_demo(path: str, *, rollouts: int, workers: int, tokens: int, seed: int, 
     check_options(rollouts, workers, tokens)
     started = time.perf_counter()
     say = step or (lambda _label: None)
+    if Path(path).exists():  # add a run only to a store: another file is refused untouched
+        open_store(path, read_only=True).close()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     run = _run_id(path)
     engine = ToyEngine(seed, tokens, TURNS)
