@@ -78,7 +78,7 @@ def command_args(command: str, store: str) -> list[str]:
 
 def test_the_demo_cuts_kills_restores_and_verifies(demo: tuple[Path, dict[str, Any]], capsys: Any) -> None:
     path, summary = demo
-    assert summary["ok"] and summary["failures"] == []
+    assert summary["ok"] and summary["failures"] == [] and summary["run"] == "run1"
     assert (summary["rollouts"], summary["calls"], summary["rollouts_identical"]) == (3, 9, 3)
     assert summary["continuations_validated"] == 3  # every cut call continued from its staged prefix
     assert (summary["workers_lost"], summary["workers_rejoined"]) == (2, 2)
@@ -450,3 +450,17 @@ def test_ctrl_c_ends_the_demo_quietly(tmp_path: Path, no_stray_workers: None) ->
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and out == ""
+
+
+def test_errors_keep_the_driver_text_out() -> None:
+    from store.cli.exits import one_line
+    from store.engine import storage_error
+
+    try:
+        try:
+            raise sqlite3.DatabaseError("database disk image is malformed\nhttps://sqlalche.me/e/20/4xp6")
+        except sqlite3.DatabaseError as driver:
+            raise storage_error("reading calls", driver) from driver
+    except Exception as exc:
+        message = one_line(exc)
+    assert message == "reading calls failed: DatabaseError (the database file is damaged)"

@@ -39,6 +39,7 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, as_json
         summary = run_demo(path, rollouts=rollouts, workers=workers, tokens=tokens, seed=seed, step=step)
     shaped = {
         "ok": summary.ok,
+        "run": summary.run,
         "store": summary.store,
         "export": summary.export,
         "rollouts": summary.rollouts,
@@ -117,6 +118,6 @@ def _show(s: dict[str, Any]) -> None:
         "next:",
         f"  staging-store audit {store}",
         f"  staging-store rollouts {store}",
-        f"  staging-store lineage {store} <rollout>",
+        f"  staging-store lineage {store} {s['run']}-r0",
         f"  staging-store export {store} | head -c 400",
     )

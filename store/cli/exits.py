@@ -36,5 +36,7 @@ def one_line(exc: BaseException) -> str:
     driver_text = str(getattr(cause, "orig", None) or cause or "")
     if driver_text and driver_text in message:
         message = message.replace(f" ({driver_text})", "").replace(f": {driver_text}", "").replace(driver_text, "")
+        if "malformed" in driver_text or "not a database" in driver_text:
+            message += " (the database file is damaged)"
     first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
     return first if len(first) <= 400 else first[:397] + "..."

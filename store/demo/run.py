@@ -60,6 +60,7 @@ class Events:
 class Summary:
     store: str
     export: str
+    run: str = ""  # this run's rollouts are ``{run}-r{index}``
     rollouts: int = 0
     calls: int = 0
     records: int = 0
@@ -187,7 +188,9 @@ def run_demo(path: str, *, rollouts: int, workers: int, tokens: int, seed: int, 
     workers = min(workers, rollouts)
     shares = [plans[i::workers] for i in range(workers)]
     export_path = str(Path(path).with_suffix(".jsonl"))
-    summary = Summary(store=str(Path(path).resolve()), export=str(Path(export_path).resolve()), rollouts=rollouts)
+    summary = Summary(
+        store=str(Path(path).resolve()), export=str(Path(export_path).resolve()), run=run, rollouts=rollouts
+    )
     events = Events()
     started_workers: list[Worker] = []
     try:
