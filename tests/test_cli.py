@@ -107,6 +107,27 @@ def test_a_second_demo_run_adds_to_the_store(copy: Path, capsys: Any) -> None:
     assert ids == ["run1-r0", "run1-r1", "run1-r2", "run2-r0"]
 
 
+def test_the_demo_exits_1_when_a_check_does_not_verify(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator's expectation of one rollout is off by a token: the demo must say so and fail."""
+    from store.demo.engine import ToyEngine
+
+    honest = ToyEngine.expected
+
+    def off_by_one(self: ToyEngine, rollout: int) -> tuple[list[int], list[float], list[float]]:
+        ids, mask, logprobs = honest(self, rollout)
+        return ([ids[0] + 1, *ids[1:]] if rollout == 0 else ids), mask, logprobs
+
+    monkeypatch.setattr(ToyEngine, "expected", off_by_one)  # this process only: the workers stay honest
+    small = ["--rollouts", "2", "--workers", "1", "--tokens", "8"]
+    code, out, _ = run(capsys, "demo", "--path", str(tmp_path / "d.db"), *small, "--json")
+    summary = json.loads(out)
+    assert code == 1 and not summary["ok"]
+    assert summary["failures"] == ["run1-r0: exported tokens differ from an uninterrupted run"]
+    assert summary["audit_ok"] and summary["rollouts_identical"] == 1
+
+
 @pytest.mark.parametrize(
     "option", [["--rollouts", "0"], ["--workers", "9"], ["--tokens", "7"], ["--seed", "-1"], ["--rollouts", "x"]]
 )
