@@ -26,7 +26,7 @@ from store import engine as engine_module
 from store import open_store
 from store.columns import event_checksum
 from store.engine import migrations_path
-from store.schema import SCHEMA_REVISION, metadata
+from store.schema import SCHEMA_REVISION, SCHEMA_REVISIONS, metadata
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -93,6 +93,8 @@ def test_migration_scripts_head_is_the_schema_revision() -> None:
     scripts = ScriptDirectory.from_config(config)
     assert scripts.get_heads() == [SCHEMA_REVISION]  # one head, no branches
     assert scripts.get_current_head() == SCHEMA_REVISION
+    # A read-only open tells an older schema (migrate it) from a newer one by this list.
+    assert tuple(reversed([script.revision for script in scripts.walk_revisions()])) == SCHEMA_REVISIONS
 
 
 def test_opening_twice_is_a_noop(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
