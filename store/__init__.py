@@ -39,10 +39,12 @@ from store.errors import (
     DigestValueError,
     GenerationCutError,
     InvalidRecordError,
+    LedgerConflictError,
     MigrationError,
     RebuildError,
     ReceiptTypeError,
     ReceiptVerificationError,
+    RolloutFencedError,
     StagingRefusedError,
     StorageError,
     StoreClosedError,
@@ -93,6 +95,18 @@ from store.records import (
     to_msgpack,
 )
 from store.replay import ReplayDifference, ReplayReport
+from store.retention import (
+    INVALID_WORKER_COMMIT_COORDINATES,
+    POISON_REASONS,
+    REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES,
+    UNRESOLVED_PARENT,
+    WORKER_CAPTURE_FAILED,
+    WORKER_RESPONSE_MISSING_COMMIT_COORDINATES,
+    CaptureLedger,
+    CompactReport,
+    LedgerAdmission,
+    receipt_from_manifest,
+)
 from store.routed_rows import with_routed_experts
 from store.routes import (
     MISSING_ROUTE_SENTINEL,
@@ -112,6 +126,18 @@ from store.terminal import (
 )
 
 __all__ = [
+    "INVALID_WORKER_COMMIT_COORDINATES",
+    "POISON_REASONS",
+    "REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES",
+    "UNRESOLVED_PARENT",
+    "WORKER_CAPTURE_FAILED",
+    "WORKER_RESPONSE_MISSING_COMMIT_COORDINATES",
+    "CaptureLedger",
+    "CompactReport",
+    "LedgerAdmission",
+    "receipt_from_manifest",
+    "LedgerConflictError",
+    "RolloutFencedError",
     "ASSISTANT_FINGERPRINT_VERSION",
     "ActiveCall",
     "AdmissionTypeError",

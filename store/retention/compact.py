@@ -69,7 +69,8 @@ def _compact_sqlite(engine: Engine) -> CompactReport:
                 cursor.execute("PRAGMA auto_vacuum = INCREMENTAL")
                 cursor.execute("VACUUM")  # rewrites the file; takes effect only now
             else:
-                cursor.execute("PRAGMA incremental_vacuum").fetchall()
+                # executescript steps the pragma to its end; execute() frees a single page.
+                raw.executescript("PRAGMA incremental_vacuum;")
             cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         finally:
             cursor.close()
