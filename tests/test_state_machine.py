@@ -12,6 +12,9 @@ repeated inventories, and forks.  After every step:
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
 * sequence numbers only grow;
+* a retired capture key refuses a late write (``RolloutFencedError``) and writes nothing, a
+  forgotten one no longer does, and a deleted rollout's keys are gone (its tombstones explain
+  the gap to the audit, and replay still equals the projections);
 * every completed rollout linearizes (``Store.linearize``) and exports (``Store.export_jsonl``)
   to exactly the model's tokens and oldest policy version; a failed one is refused as
   ``capture_poisoned``, one that generated nothing as ``empty_generation``.
@@ -48,6 +51,7 @@ from store import (
     GenerationCutPrefixAck,
     GenerationCutReceipt,
     ReceiptVerificationError,
+    RolloutFencedError,
     RolloutTokenCapture,
     Store,
     UnknownKeyError,
@@ -128,6 +132,9 @@ class StoreMachine(RuleBasedStateMachine):
         # A rollout ended since linearize, export or the lineage views last ran.
         self.unread_endings = self.unexported_endings = self.unviewed_endings = False
         self.untrainable: set[str] = set()
+        self.attempt_keys: dict[str, set[str]] = {}  # rollout -> every capture key it used
+        self.fenced: set[str] = set()  # retired capture keys
+        self.deleted: set[str] = set()  # staging keys of deleted rollouts
 
     def _open(self) -> None:
         self.store: Store = open_store(self.path)
@@ -171,6 +178,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.capture.track(call, prompt_token_ids=prompt, effective_output_limit=OUTPUT_LIMIT)
         model = LiveModel(rollout_id, 0, call_id, call, list(prompt), version=self.version, oldest_version=self.version)
         self.live[model.key] = model
+        self.attempt_keys[rollout_id] = {model.key[0]}
 
     @precondition(has_live)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=5))
@@ -255,7 +263,7 @@ class StoreMachine(RuleBasedStateMachine):
         return [
             (expected.rollout_id, expected.model_call_id)
             for key, expected in self.acked.items()
-            if not key.startswith("__") and expected.digest is not None
+            if not key.startswith("__") and expected.digest is not None and expected.rollout_id not in self.fenced
         ]
 
     def _note_receipt(self, inventory: GenerationCutInventory, receipt: GenerationCutReceipt) -> None:
@@ -383,6 +391,59 @@ class StoreMachine(RuleBasedStateMachine):
             oldest_version=min(source.oldest_version, self.version),
         )
         self.live[model.key] = model
+        self.attempt_keys[source.rollout_id].add(model.key[0])
+
+    # --- retention: retire, forget, delete --------------------------------------------------------
+
+    def _quiet_keys(self) -> list[str]:
+        """Capture keys with no live call (a lost call's key is quiet: restore only reads it)."""
+        live = {key[0] for key in self.live}
+        return sorted(key for keys in self.attempt_keys.values() for key in keys if key not in live)
+
+    def _deletable(self) -> list[str]:
+        """Rollouts whose every attempt is quiet and none of whose cuts a restore still needs."""
+        busy = {model.rollout_id for model in self.live.values()} | {lost.model.rollout_id for lost in self.lost}
+        return sorted(rollout for rollout in self.attempt_keys if rollout not in busy)
+
+    @precondition(lambda self: bool(self._quiet_keys()))
+    @rule(data=st.data())
+    def retire(self, data: st.DataObject) -> None:
+        """Retire an attempt (as a restore does); a second retire is a no-op."""
+        self.steps["retire"] += 1
+        key = data.draw(st.sampled_from(self._quiet_keys()))
+        removal = self.store.retire([key])
+        assert removal.removed + removal.absent == [key]
+        self.fenced.add(key)
+        assert self.store.retire([key]).removed + self.store.retire([key]).absent == [key]
+
+    @precondition(lambda self: bool(self.fenced))
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        self.steps["forget"] += 1
+        key = data.draw(st.sampled_from(sorted(self.fenced)))
+        assert self.store.forget([key]).removed == [key]
+        self.fenced.discard(key)
+        assert self.store.forget([key]).absent == [key]
+
+    @precondition(lambda self: bool(self._deletable()))
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        """Delete every attempt of a finished rollout: its keys go, and so do its fences."""
+        self.steps["delete"] += 1
+        rollout = data.draw(st.sampled_from(self._deletable()))
+        keys = sorted(self.attempt_keys.pop(rollout))
+        removal = self.store.delete(keys)
+        assert sorted(removal.removed + removal.absent) == keys
+        assert self.store.delete(keys).absent == keys  # nothing left, no fence: absent
+        for staging_key, expected in list(self.acked.items()):
+            if expected.rollout_id in keys:
+                del self.acked[staging_key]
+                self.deleted.add(staging_key)
+        self.fenced.difference_update(keys)
+        for table in (self.finished, self.finished_calls):
+            table.pop(rollout, None)
+        self.failed.discard(rollout)
+        self.untrainable.discard(rollout)
 
     @precondition(lambda self: bool(self.receipts))
     @rule()
@@ -506,6 +567,22 @@ class StoreMachine(RuleBasedStateMachine):
             except UnknownKeyError:
                 continue
             raise AssertionError(f"withdrawn key {key!r} is still served")
+
+    @invariant()
+    def fences_refuse_late_writes_and_deleted_keys_are_gone(self) -> None:
+        for key in sorted(self.fenced):
+            late = make_record(rollout_id=key, model_call_id=self._next("late"), weight_version=1)
+            try:
+                self.store.stage(late)
+            except RolloutFencedError:
+                continue
+            raise AssertionError(f"a late write for retired {key!r} was accepted")
+        for staging_key in sorted(self.deleted):
+            try:
+                self.store.fetch([staging_key])
+            except UnknownKeyError:
+                continue
+            raise AssertionError(f"deleted key {staging_key!r} is still served")
 
     @invariant()
     def projections_equal_a_replay(self) -> None:
