@@ -36,6 +36,7 @@ from store.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, 
 from store.replay import ReplayReport, replay
 from store.retention import ids as retention_ids
 from store.retention import removal
+from store.retention import retain as retention_retain
 from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
@@ -68,6 +69,7 @@ class Store:
         )
         self._reader = Reader(self._engine)
         self._retention = removal.RetentionStatements(self._engine)
+        self._retain = retention_retain.RetainStatements(self._engine)
         self._pid = os.getpid()
         migrate(self._engine, self._backend)
         track_for_fork(self)
@@ -369,6 +371,16 @@ class Store:
         space to the file system.  Sequence numbers are never reused."""
         keys = retention_ids.capture_keys("capture_keys", capture_keys)
         return self._log.write(lambda tx: removal.delete(tx, self._retention, keys))
+
+    @operation
+    def retain(self, keys: Sequence[str], *, capture_keys: Sequence[str] | None = None) -> RolloutRemoval:
+        """Keep exactly ``keys`` (a commit's retain set, 5.2) of the capture keys in scope
+        (``capture_keys``, else those owning a kept key): every other live key of theirs is
+        withdrawn, retired or not.  ``removed``: the withdrawn keys; ``absent``: kept keys that
+        hold nothing.  The records stay in the log (``delete`` frees space)."""
+        keep = list(dict.fromkeys(arguments.texts("retain() keys", keys)))
+        scope = None if capture_keys is None else retention_ids.capture_keys("capture_keys", capture_keys)
+        return self._log.write(lambda tx: retention_retain.retain(tx, self._retain, keep, scope), durable=False)
 
     @operation
     def compact(self) -> CompactReport:

@@ -24,6 +24,7 @@ from store import (
     StageEntry,
     Store,
     UnknownKeyError,
+    chunk_staging_key,
     open_store,
     schema,
 )
@@ -368,3 +369,32 @@ def test_compact_converts_a_store_created_without_incremental_vacuum(tmp_path: A
         assert store.compact().converted
         assert not store.compact().converted
     assert sqlite3.connect(path).execute("PRAGMA auto_vacuum").fetchone() == (2,)
+
+
+# --- retain ------------------------------------------------------------------------------------------
+
+
+def _cut(store: Store, rollout_id: str, call_id: str, checkpoint: str) -> str:
+    key = chunk_staging_key(checkpoint, rollout_id, call_id, 0)
+    record = make_record(rollout_id=rollout_id, model_call_id=call_id, generated=(40, 41, len(checkpoint)))
+    assert store.stage(record, staging_key=key, kind=EventKind.PREFIX_STAGED).ok
+    return key
+
+
+def test_retain_keeps_exactly_the_retain_set_of_the_capture_keys_in_scope(store: Store) -> None:
+    terminal = make_record(rollout_id="r0", model_call_id="c0")
+    store.stage(terminal)
+    old_cut, kept_cut = _cut(store, "r0", "c1", "ck1"), _cut(store, "r0", "c2", "ck2")
+    other = _cut(store, "r1", "c1", "ck1")  # another capture key: out of scope
+    store.retire(["r0"])  # retired: the framework's own cleanup still works
+    removal = store.retain([terminal.staging_key, kept_cut, "r0/never-staged"])
+    assert (removal.removed, removal.absent) == ([old_cut], ["r0/never-staged"])
+    with pytest.raises(UnknownKeyError):
+        store.fetch([old_cut])
+    assert len(store.fetch([terminal.staging_key, kept_cut, other])) == 3
+    assert store.retain([terminal.staging_key, kept_cut]).removed == []  # again: nothing to do
+    # An explicit scope drops every key of a capture key the set does not name.
+    assert store.retain([], capture_keys=["r1"]).removed == [other]
+    assert store.replay().ok and store.audit().ok
+    with writes_nothing(store), pytest.raises(InvalidRecordError):
+        store.retain(["ok", 7])  # type: ignore[list-item]

@@ -12,6 +12,7 @@ repeated inventories, and forks.  After every step:
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
 * sequence numbers only grow;
+* retain keeps exactly a commit's retain set of a capture key (the other keys are gone);
 * a retired capture key refuses a late write (``RolloutFencedError``) and writes nothing, a
   forgotten one no longer does, and a deleted rollout's keys are gone (its tombstones explain
   the gap to the audit, and replay still equals the projections);
@@ -134,7 +135,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.untrainable: set[str] = set()
         self.attempt_keys: dict[str, set[str]] = {}  # rollout -> every capture key it used
         self.fenced: set[str] = set()  # retired capture keys
-        self.deleted: set[str] = set()  # staging keys of deleted rollouts
+        self.deleted: set[str] = set()  # staging keys of deleted rollouts, or dropped by retain
 
     def _open(self) -> None:
         self.store: Store = open_store(self.path)
@@ -444,6 +445,30 @@ class StoreMachine(RuleBasedStateMachine):
             table.pop(rollout, None)
         self.failed.discard(rollout)
         self.untrainable.discard(rollout)
+
+    def _retainable(self) -> list[str]:
+        """Quiet capture keys whose cuts no restore still needs."""
+        needed = {lost.model.key[0] for lost in self.lost}
+        return [key for key in self._quiet_keys() if key not in needed]
+
+    @precondition(lambda self: bool(self._retainable()))
+    @rule(data=st.data())
+    def retain(self, data: st.DataObject) -> None:
+        """A commit's retain set: the terminal keys and some cut keys; the others are withdrawn."""
+        self.steps["retain"] += 1
+        key = data.draw(st.sampled_from(self._retainable()))
+        owned = sorted(staging_key for staging_key, expected in self.acked.items() if expected.rollout_id == key)
+        cuts = [staging_key for staging_key in owned if staging_key.startswith("__")]
+        keep = [staging_key for staging_key in owned if not staging_key.startswith("__")]
+        if cuts:
+            keep += data.draw(st.lists(st.sampled_from(cuts), unique=True))
+        removal = self.store.retain(keep, capture_keys=[key])
+        dropped = set(owned) - set(keep)
+        assert dropped <= set(removal.removed) and not set(removal.removed) & set(keep)
+        assert removal.absent == []
+        for staging_key in dropped:
+            del self.acked[staging_key]
+            self.deleted.add(staging_key)
 
     @precondition(lambda self: bool(self.receipts))
     @rule()
