@@ -299,6 +299,8 @@ def test_delete_removes_events_and_projection_rows_and_leaves_a_tombstone(store:
     row = rollout_row(store, "r0")
     assert row is not None and (row["state"], row["fenced"], row["deletions"]) == ("deleted", 0, 1)
     assert row["deleted_events"] == 3
+    compacted = store.compact()  # SQLite: incremental vacuum; PostgreSQL: VACUUM events
+    assert compacted.bytes_after <= compacted.bytes_before
     assert store.replay().ok
     report = store.audit()
     assert report.ok, report.summary()

@@ -122,7 +122,7 @@ def bench_delete(report: Report, folder: str, rollouts: int, seed: int) -> None:
             ["stored bytes the tombstones count", f"{stored_bytes:,}"],
             ["file bytes before delete / after compact", f"{full:,} / {after:,}"],
             ["bytes back to the file system", f"{reclaimed:,} ({fraction:.1%})"],
-            ["compact report reclaimed", f"{compacted.reclaimed:,}"],
+            ["CompactReport.reclaimed (db + the delete's -wal)", f"{compacted.reclaimed:,}"],
         ],
     )
     report.results["delete"] = {
