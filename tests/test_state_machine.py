@@ -12,6 +12,7 @@ repeated inventories, and forks.  After every step:
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
 * sequence numbers only grow;
+* a committed ledger row is in its rollout's manifest (refused while retired, gone once deleted);
 * retain keeps exactly a commit's retain set of a capture key (the other keys are gone);
 * a retired capture key refuses a late write (``RolloutFencedError``) and writes nothing, a
   forgotten one no longer does, and a deleted rollout's keys are gone (its tombstones explain
@@ -43,10 +44,13 @@ from factories import make_record
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from rollouts import manifest_row
 
 from store import (
     ActiveCall,
+    CallRecord,
     CaptureAdmission,
+    CaptureLedgerCommit,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -136,6 +140,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.attempt_keys: dict[str, set[str]] = {}  # rollout -> every capture key it used
         self.fenced: set[str] = set()  # retired capture keys
         self.deleted: set[str] = set()  # staging keys of deleted rollouts, or dropped by retain
+        self.ledger_rows: dict[str, list[CallRecord]] = {}  # capture key -> its committed ledger rows
+        self.deleted_since_compact = False
 
     def _open(self) -> None:
         self.store: Store = open_store(self.path)
@@ -406,12 +412,15 @@ class StoreMachine(RuleBasedStateMachine):
         busy = {model.rollout_id for model in self.live.values()} | {lost.model.rollout_id for lost in self.lost}
         return sorted(rollout for rollout in self.attempt_keys if rollout not in busy)
 
-    @precondition(lambda self: bool(self._quiet_keys()))
+    def _retirable(self) -> list[str]:
+        return [key for key in self._quiet_keys() if key not in self.fenced]
+
+    @precondition(lambda self: bool(self._retirable()))
     @rule(data=st.data())
     def retire(self, data: st.DataObject) -> None:
         """Retire an attempt (as a restore does); a second retire is a no-op."""
         self.steps["retire"] += 1
-        key = data.draw(st.sampled_from(self._quiet_keys()))
+        key = data.draw(st.sampled_from(self._retirable()))
         removal = self.store.retire([key])
         assert removal.removed + removal.absent == [key]
         self.fenced.add(key)
@@ -441,15 +450,19 @@ class StoreMachine(RuleBasedStateMachine):
                 del self.acked[staging_key]
                 self.deleted.add(staging_key)
         self.fenced.difference_update(keys)
+        self.deleted_since_compact = True
+        for capture in keys:
+            self.ledger_rows.pop(capture, None)
         for table in (self.finished, self.finished_calls):
             table.pop(rollout, None)
         self.failed.discard(rollout)
         self.untrainable.discard(rollout)
 
     def _retainable(self) -> list[str]:
-        """Quiet capture keys whose cuts no restore still needs."""
+        """Quiet capture keys holding cut keys that no restore still needs."""
         needed = {lost.model.key[0] for lost in self.lost}
-        return [key for key in self._quiet_keys() if key not in needed]
+        with_cuts = {expected.rollout_id for key, expected in self.acked.items() if key.startswith("__")}
+        return [key for key in self._quiet_keys() if key not in needed and key in with_cuts]
 
     @precondition(lambda self: bool(self._retainable()))
     @rule(data=st.data())
@@ -469,6 +482,42 @@ class StoreMachine(RuleBasedStateMachine):
         for staging_key in dropped:
             del self.acked[staging_key]
             self.deleted.add(staging_key)
+
+    def _uncommitted(self) -> list[str]:
+        """Terminal keys of unfenced capture keys that have no ledger row yet."""
+        committed = {row.staging_key for rows in self.ledger_rows.values() for row in rows}
+        return [
+            key
+            for key, expected in sorted(self.acked.items())
+            if not key.startswith("__")
+            and expected.digest is not None
+            and expected.rollout_id not in self.fenced
+            and key not in committed
+        ]
+
+    @precondition(lambda self: bool(self._uncommitted()))
+    @rule(data=st.data())
+    def ledger_commit(self, data: st.DataObject) -> None:
+        """Gym commits a finished call's ledger row (token-free); the same commit again is a no-op."""
+        self.steps["ledger_commit"] += 1
+        key = data.draw(st.sampled_from(self._uncommitted()))
+        [snapshot] = self.store.fetch([key])
+        commit = CaptureLedgerCommit(
+            rollout_id=snapshot.rollout_id, record=manifest_row(snapshot), staging_chain=(key,)
+        )
+        ledger = self.store.ledger()
+        ledger.record(commit)
+        ledger.record(commit)
+        self.ledger_rows.setdefault(snapshot.rollout_id, []).append(commit.record)
+
+    @precondition(lambda self: self.deleted_since_compact)
+    @rule()
+    def compact(self) -> None:
+        """Give a delete's space back (only after one: compaction is not free)."""
+        self.steps["compact"] += 1
+        self.deleted_since_compact = False
+        report = self.store.compact()
+        assert report.bytes_after <= report.bytes_before + 64 * 1024  # never grows past a page or two
 
     @precondition(lambda self: bool(self.receipts))
     @rule()
@@ -608,6 +657,19 @@ class StoreMachine(RuleBasedStateMachine):
             except UnknownKeyError:
                 continue
             raise AssertionError(f"deleted key {staging_key!r} is still served")
+
+    @invariant()
+    def ledger_manifests_hold_the_committed_rows(self) -> None:
+        ledger = self.store.ledger()
+        for capture, rows in sorted(self.ledger_rows.items()):
+            if capture in self.fenced:
+                try:
+                    ledger.manifest(capture)
+                except RolloutFencedError:
+                    continue
+                raise AssertionError(f"the manifest of retired {capture!r} was served")
+            assert ledger.manifest(capture).records == rows
+            assert ledger.has_rows(capture)
 
     @invariant()
     def projections_equal_a_replay(self) -> None:
