@@ -17,6 +17,7 @@ from test_capture import child_admission, make_capture, root_admission, stage_ro
 
 from store import (
     GenerationCutContinuation,
+    GenerationCutError,
     GenerationCutInventory,
     GenerationCutPrefix,
     InvalidRecordError,
@@ -400,3 +401,16 @@ def test_retain_keeps_exactly_the_retain_set_of_the_capture_keys_in_scope(store:
     assert store.replay().ok and store.audit().ok
     with writes_nothing(store), pytest.raises(InvalidRecordError):
         store.retain(["ok", 7])  # type: ignore[list-item]
+
+
+def test_serving_a_cut_of_a_retired_capture_key_is_refused_and_stages_nothing(store: Store) -> None:
+    capture, _ = make_capture(store, 7)
+    root, prefix = stage_root(capture)
+    call = capture.begin_call(child_admission(root, prefix))
+    capture.track(call, prompt_token_ids=[*prefix, 20, 21], effective_output_limit=10)
+    capture.observe(call, [30, 31], [-0.5, -0.75])
+    store.retire(["r0"])
+    ticket = GenerationCutPrefix(ticket_id="t1", rollout_id="r0", attempt_index=0, model_call_id="c1", admitted_at=1.0)
+    inventory = GenerationCutInventory.build(checkpoint_id="ck", server_name="policy", active_prefixes=[ticket])
+    with writes_nothing(store), pytest.raises(GenerationCutError, match="'r0' was retired"):
+        capture.serve_generation_cut(inventory)
