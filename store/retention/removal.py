@@ -190,12 +190,4 @@ def _removable(tx: WriteTransaction, sql: RetentionStatements, key: str, ledger_
     return _Removed(seqs, records, stored, hasher.digest(), sorted(set(keys)))
 
 
-def tombstone_checksum(rows: Sequence[tuple[int, bytes]]) -> bytes:
-    """The combined checksum a tombstone keeps, over (seq, event checksum) in sequence order."""
-    hasher = xxhash.xxh3_128(_TOMBSTONE_DOMAIN)
-    for seq, checksum in rows:
-        hasher.update(int(seq).to_bytes(8, "big") + bytes(checksum))
-    return hasher.digest()
-
-
 _RECORD_KIND_VALUES = frozenset(kind.value for kind in RECORD_KINDS)
