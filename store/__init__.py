@@ -48,11 +48,13 @@ if TYPE_CHECKING:
         DigestValueError,
         GenerationCutError,
         InvalidRecordError,
+        LedgerConflictError,
         MigrationError,
         ReadOnlyStoreError,
         RebuildError,
         ReceiptTypeError,
         ReceiptVerificationError,
+        RolloutFencedError,
         StagingRefusedError,
         StorageError,
         StoreClosedError,
@@ -103,6 +105,18 @@ if TYPE_CHECKING:
         to_msgpack,
     )
     from store.replay import ReplayDifference, ReplayReport
+    from store.retention import (
+        INVALID_WORKER_COMMIT_COORDINATES,
+        POISON_REASONS,
+        REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES,
+        UNRESOLVED_PARENT,
+        WORKER_CAPTURE_FAILED,
+        WORKER_RESPONSE_MISSING_COMMIT_COORDINATES,
+        CaptureLedger,
+        CompactReport,
+        LedgerAdmission,
+        receipt_from_manifest,
+    )
     from store.routed_rows import with_routed_experts
     from store.routes import (
         MISSING_ROUTE_SENTINEL,
@@ -123,6 +137,18 @@ if TYPE_CHECKING:
 
 # Each public name and the module that defines it (a test checks this against ``__all__``).
 _MODULES = {
+    "INVALID_WORKER_COMMIT_COORDINATES": "store.retention",
+    "POISON_REASONS": "store.retention",
+    "REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES": "store.retention",
+    "UNRESOLVED_PARENT": "store.retention",
+    "WORKER_CAPTURE_FAILED": "store.retention",
+    "WORKER_RESPONSE_MISSING_COMMIT_COORDINATES": "store.retention",
+    "CaptureLedger": "store.retention",
+    "CompactReport": "store.retention",
+    "LedgerAdmission": "store.retention",
+    "receipt_from_manifest": "store.retention",
+    "LedgerConflictError": "store.errors",
+    "RolloutFencedError": "store.errors",
     "ASSISTANT_FINGERPRINT_VERSION": "store.terminal",
     "ActiveCall": "store.active_call",
     "AdmissionTypeError": "store.errors",
@@ -227,6 +253,18 @@ _MODULES = {
 }
 
 __all__ = [
+    "INVALID_WORKER_COMMIT_COORDINATES",
+    "POISON_REASONS",
+    "REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES",
+    "UNRESOLVED_PARENT",
+    "WORKER_CAPTURE_FAILED",
+    "WORKER_RESPONSE_MISSING_COMMIT_COORDINATES",
+    "CaptureLedger",
+    "CompactReport",
+    "LedgerAdmission",
+    "receipt_from_manifest",
+    "LedgerConflictError",
+    "RolloutFencedError",
     "ASSISTANT_FINGERPRINT_VERSION",
     "ActiveCall",
     "AdmissionTypeError",

@@ -165,6 +165,9 @@ def _enable_wal(cursor: sqlite3.Cursor) -> None:
     """
     if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
         return
+    # A new file: deleted pages go back to the file system (incremental vacuum, Store.compact).
+    # SQLite takes this only before the switch to WAL and the first table; later it is a no-op.
+    cursor.execute("PRAGMA auto_vacuum = INCREMENTAL")
     deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
     while True:
         try:

@@ -43,6 +43,26 @@ class MigrationError(StorageError):
     """The schema could not be brought to the version this library needs."""
 
 
+class RolloutFencedError(StoreError):
+    """A write for a capture key that was retired: the fence refuses it and nothing is written."""
+
+    def __init__(self, rollout_id: str, fence_seq: int | None) -> None:
+        at = "" if fence_seq is None else f" at event {fence_seq}"
+        super().__init__(
+            f"capture key {rollout_id!r} was retired (fence{at}); its late writes are refused "
+            "(forget() or delete() removes the fence)"
+        )
+        self.rollout_id = rollout_id
+        self.fence_seq = fence_seq
+
+    def __reduce__(self) -> tuple[type, tuple[str, int | None]]:
+        return type(self), (self.rollout_id, self.fence_seq)
+
+
+class LedgerConflictError(StoreError, ValueError):
+    """A capture-ledger commit differs from the one already recorded for the same call."""
+
+
 class StoreClosedError(StoreError):
     """The store was used after ``close()``."""
 

@@ -23,9 +23,17 @@ class EventKind(enum.StrEnum):
     CALL_FAILED = "call_failed"
     KEYS_CLEARED = "keys_cleared"
     CUT_RECEIPT = "cut_receipt"
+    ROLLOUT_RETIRED = "rollout_retired"
+    ROLLOUT_DELETED = "rollout_deleted"
+    ROLLOUT_FORGOTTEN = "rollout_forgotten"
+    LEDGER_RECORDED = "ledger_recorded"
+    LEDGER_FAILED = "ledger_failed"
 
 
 RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED})
+# Fences and tombstones of a capture key: never refused by a fence, never removed by a delete.
+RETENTION_KINDS = frozenset({EventKind.ROLLOUT_RETIRED, EventKind.ROLLOUT_DELETED, EventKind.ROLLOUT_FORGOTTEN})
+LEDGER_KINDS = frozenset({EventKind.LEDGER_RECORDED, EventKind.LEDGER_FAILED})
 
 # (start, end, version): delta positions [start, end) of the call's record were generated
 # by that policy version.  Carried prompt tokens belong to no span.
@@ -118,6 +126,36 @@ class CutReceiptBody(msgspec.Struct, kw_only=True):
     receipt: bytes  # the GenerationCutReceipt as JSON, byte for byte
 
 
+class FenceBody(msgspec.Struct, kw_only=True):
+    """A fence set (retired) or removed (forgotten) on a capture key."""
+
+    reason: str = ""
+
+
+class TombstoneBody(msgspec.Struct, kw_only=True):
+    """What a delete removed, so an audit can explain the gap it left in the log.
+
+    ``checksum`` is an xxh3-128 over the removed events' own checksums in sequence order.
+    ``ledger_only``: only the capture ledger's rows went (the staged records stayed).
+    """
+
+    first_seq: int
+    last_seq: int
+    events: int
+    records: int
+    stored_bytes: int
+    checksum: bytes
+    ledger_only: bool = False
+
+
+class LedgerRecordBody(msgspec.Struct, kw_only=True):
+    """One capture-ledger commit: the ``CaptureLedgerCommit`` as JSON, byte for byte, and the
+    assistant fingerprint of its conversation (request + response), which children match."""
+
+    commit: bytes
+    fingerprint: str | None = None
+
+
 BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.CALL_ADMITTED: AdmissionBody,
     EventKind.PREFIX_STAGED: RecordBody,
@@ -126,6 +164,11 @@ BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.CALL_FAILED: FailureBody,
     EventKind.KEYS_CLEARED: KeysClearedBody,
     EventKind.CUT_RECEIPT: CutReceiptBody,
+    EventKind.ROLLOUT_RETIRED: FenceBody,
+    EventKind.ROLLOUT_DELETED: TombstoneBody,
+    EventKind.ROLLOUT_FORGOTTEN: FenceBody,
+    EventKind.LEDGER_RECORDED: LedgerRecordBody,
+    EventKind.LEDGER_FAILED: FailureBody,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

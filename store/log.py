@@ -24,17 +24,22 @@ from store import failpoints, schema
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
-from store.errors import ReadOnlyStoreError, StorageError, StoreClosedError, StoreError
-from store.events import EventKind, encode_body
+from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
+from store.events import EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
 from store.projections import (
+    ROLLOUT_COLUMNS,
+    ROLLOUT_KINDS,
     CallState,
     Event,
     KeyState,
+    RolloutState,
     affects_call,
+    fenced_kind,
     fold_call,
     fold_keys,
     fold_receipt,
+    fold_rollout,
 )
 
 T = TypeVar("T")
@@ -50,6 +55,8 @@ class NewEvent:
     body: msgspec.Struct
     staging_key: str | None = None
     columns: PackedColumns | None = None
+    # The framework's own cleanup (``Store.retain``) withdraws keys of retired capture keys too.
+    past_fence: bool = False
 
 
 class _Statements:
@@ -106,6 +113,37 @@ class _Statements:
         self.insert_receipt = Statement(
             sa.insert(receipts).values({c: sa.bindparam(c.name) for c in receipts.c}), engine
         )
+        self.stream_bodies = Statement(
+            sa.select(events.c.kind, events.c.body)
+            .where(
+                events.c.rollout_id == sa.bindparam("rollout_id"),
+                events.c.model_call_id == sa.bindparam("model_call_id"),
+            )
+            .order_by(events.c.seq),
+            engine,
+        )
+        rollouts = schema.rollouts
+        self.select_rollout = Statement(
+            sa.select(*(rollouts.c[name] for name in ROLLOUT_COLUMNS)).where(
+                rollouts.c.rollout_id == sa.bindparam("rollout_id")
+            ),
+            engine,
+        )
+        self.select_fence = Statement(
+            sa.select(rollouts.c.fenced, rollouts.c.fence_seq).where(
+                rollouts.c.rollout_id == sa.bindparam("rollout_id")
+            ),
+            engine,
+        )
+        self.insert_rollout = Statement(
+            sa.insert(rollouts).values({c: sa.bindparam(c.name) for c in rollouts.c}), engine
+        )
+        self.update_rollout = Statement(
+            sa.update(rollouts)
+            .where(rollouts.c.rollout_id == sa.bindparam("b_rollout_id"))
+            .values({c: sa.bindparam(c.name) for c in rollouts.c if c.name != "rollout_id"}),
+            engine,
+        )
 
 
 class WriteTransaction:
@@ -116,6 +154,8 @@ class WriteTransaction:
         self._sql = statements
         self._pid = os.getpid()
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
+        # Capture keys found unfenced in this transaction; a fence appended here clears it.
+        self._unfenced: set[str] = set()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -136,8 +176,41 @@ class WriteTransaction:
         ).fetchone()
         return None if row is None else int(row[0])
 
+    def run(self, statement: Statement, values: dict[str, Any]) -> Any:
+        """Run another module's compiled statement in this transaction (retention's deletes)."""
+        return self._execute(statement, values)
+
+    def stream_bodies(self, rollout_id: str, model_call_id: str) -> list[tuple[EventKind, Any]]:
+        """The decoded bodies of one stream's events, in order (the ledger's idempotency check)."""
+        values = {"rollout_id": rollout_id, "model_call_id": model_call_id}
+        rows = self._execute(self._sql.stream_bodies, values).fetchall()
+        decoded = []
+        for kind, body in rows:
+            event_kind = EventKind(kind)
+            decoded.append((event_kind, decode_body(event_kind, bytes(body))))
+        return decoded
+
+    def rollout(self, rollout_id: str) -> RolloutState | None:
+        row = self._execute(self._sql.select_rollout, {"rollout_id": rollout_id}).fetchone()
+        return None if row is None else RolloutState.from_row(row)
+
+    def check_fence(self, rollout_id: str) -> None:
+        """Refuse (``RolloutFencedError``) a write for a retired capture key.
+
+        Runs inside the write transaction, so a write queued in a batch behind the fence, or
+        in another process, sees it.  One indexed read per capture key per transaction.
+        """
+        if rollout_id in self._unfenced:
+            return
+        row = self._execute(self._sql.select_fence, {"rollout_id": rollout_id}).fetchone()
+        if row is not None and row[0]:
+            raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
+        self._unfenced.add(rollout_id)
+
     def append(self, new: NewEvent) -> int:
         """Append one event and fold it into the projections; returns its sequence number."""
+        if fenced_kind(new.kind) and not new.past_fence:
+            self.check_fence(new.rollout_id)
         call = self.call(new.rollout_id, new.model_call_id) if affects_call(new.kind) else None
         if call is not None:
             version = call.stream_version + 1  # the calls row tracks its stream's position
@@ -189,6 +262,8 @@ class WriteTransaction:
                     "digest": state.digest,
                 },
             )
+        if event.kind in ROLLOUT_KINDS:
+            self._project_rollout(event)
         receipt = fold_receipt(event)
         if receipt is not None:
             (checkpoint_id, inventory_digest), seq = receipt
@@ -196,6 +271,18 @@ class WriteTransaction:
                 self._sql.insert_receipt,
                 {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
             )
+
+    def _project_rollout(self, event: Event) -> None:
+        current = self.rollout(event.rollout_id)
+        folded = fold_rollout(current, event)
+        assert folded is not None
+        row = folded.to_row()
+        if current is None:
+            self._execute(self._sql.insert_rollout, row)
+        else:
+            row["b_rollout_id"] = event.rollout_id
+            self._execute(self._sql.update_rollout, row)
+        self._unfenced.discard(event.rollout_id)
 
     def savepoint(self, name: str) -> None:
         self._cursor.execute(f"SAVEPOINT {name}")

@@ -16,13 +16,16 @@ import numpy as np
 from store.columns import FloatColumn, carry_count
 from store.errors import CorruptRecordError
 from store.events import (
+    LEDGER_KINDS,
     RECORD_KINDS,
+    RETENTION_KINDS,
     AdmissionBody,
     CutReceiptBody,
     EventKind,
     KeysClearedBody,
     RecordBody,
     Span,
+    TombstoneBody,
 )
 from store.schema import version_key
 
@@ -30,6 +33,11 @@ _SPANS_ENCODER = msgspec.msgpack.Encoder()
 _SPANS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int, int]])
 
 RECEIPT_STREAM = "__cut_receipts__"
+# Streams of a capture key that are not calls: its fences and tombstones, and its ledger rows
+# (``LEDGER_PREFIX + model_call_id``, apart from the call's own stream and its versions).
+ROLLOUT_STREAM = "__rollout__"
+LEDGER_PREFIX = "__ledger__/"
+ROLLOUT_KINDS = RETENTION_KINDS | LEDGER_KINDS
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,78 @@ TERMINAL_STATES = frozenset({"completed", "failed"})
 
 
 def affects_call(kind: EventKind) -> bool:
-    return kind is not EventKind.CUT_RECEIPT
+    return kind is not EventKind.CUT_RECEIPT and kind not in ROLLOUT_KINDS
+
+
+def fenced_kind(kind: EventKind) -> bool:
+    """Whether a fence on the event's capture key refuses it (all but fences and tombstones)."""
+    return kind not in RETENTION_KINDS
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    """One row of the ``rollouts`` projection: a capture key's fence, ledger counts, deletions.
+
+    Only capture keys with a ledger row or a retention event have one, so staging pays a
+    single indexed read (the fence check) and no write here.
+    """
+
+    rollout_id: str
+    state: str = "active"  # active, retired, deleted, forgotten
+    fenced: bool = False
+    fence_seq: int | None = None
+    ledger_rows: int = 0
+    ledger_failures: int = 0
+    deletions: int = 0
+    deleted_events: int = 0
+    last_seq: int = 0
+
+    def to_row(self) -> dict[str, Any]:
+        return {**self.__dict__, "fenced": int(self.fenced)}
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> RolloutState:
+        values = dict(zip(ROLLOUT_COLUMNS, row, strict=True))
+        values["fenced"] = bool(values["fenced"])
+        return cls(**values)
+
+
+ROLLOUT_COLUMNS = tuple(RolloutState.__dataclass_fields__)
+
+
+def fold_rollout(current: RolloutState | None, event: Event) -> RolloutState | None:
+    """The rollouts row after ``event``; None when the event does not touch it."""
+    kind = event.kind
+    if kind not in ROLLOUT_KINDS:
+        return current
+    base = current or RolloutState(event.rollout_id)
+    seq = event.seq
+    if kind is EventKind.LEDGER_RECORDED:
+        return _moved_rollout(base, ledger_rows=base.ledger_rows + 1, last_seq=seq)
+    if kind is EventKind.LEDGER_FAILED:
+        return _moved_rollout(base, ledger_failures=base.ledger_failures + 1, last_seq=seq)
+    if kind is EventKind.ROLLOUT_RETIRED:
+        return _moved_rollout(base, state="retired", fenced=True, fence_seq=seq, last_seq=seq)
+    if kind is EventKind.ROLLOUT_FORGOTTEN:
+        return _moved_rollout(base, state="forgotten", fenced=False, fence_seq=None, last_seq=seq)
+    body = event.body
+    assert isinstance(body, TombstoneBody)
+    # The delete removed the ledger rows (and, unless ledger_only, the staged records) and the fence.
+    return _moved_rollout(
+        base,
+        state="deleted",
+        fenced=False,
+        fence_seq=None,
+        ledger_rows=0,
+        ledger_failures=0,
+        deletions=base.deletions + 1,
+        deleted_events=base.deleted_events + body.events,
+        last_seq=seq,
+    )
+
+
+def _moved_rollout(base: RolloutState, **changes: Any) -> RolloutState:
+    return RolloutState(**{**base.__dict__, **changes})
 
 
 def _moved(base: CallState, **changes: Any) -> CallState:

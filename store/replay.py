@@ -15,7 +15,17 @@ from store import schema
 from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError
 from store.integrity import undecodable_text, verified_event
-from store.projections import CallState, Event, KeyState, affects_call, fold_call, fold_keys, fold_receipt
+from store.projections import (
+    CallState,
+    Event,
+    KeyState,
+    RolloutState,
+    affects_call,
+    fold_call,
+    fold_keys,
+    fold_receipt,
+    fold_rollout,
+)
 
 _MAX_DIFFERENCES = 50
 
@@ -185,15 +195,25 @@ def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None
     calls: dict[tuple[str, str], CallState] = {}
     keys: dict[str, KeyState] = {}
     receipts: dict[tuple[str, str], int] = {}
+    rollouts: dict[str, RolloutState] = {}
     count = 0
     for event in verified_events(connection, skipped):
         count += 1
         fold_event(event, calls, keys, receipts)
+        fold_rollout_event(event, rollouts)
     return count + len(skipped), {
         "calls": {stream: state.to_row() for stream, state in calls.items()},
         "staged_keys": {(key,): key_row(key, state) for key, state in keys.items()},
         "cut_receipts": {ident: receipt_row(ident, seq) for ident, seq in receipts.items()},
+        "rollouts": {(key,): state.to_row() for key, state in rollouts.items()},
     }
+
+
+def fold_rollout_event(event: Event, rollouts: dict[str, RolloutState]) -> None:
+    """Fold one event into the rebuilt ``rollouts`` projection (fences, ledger counts, deletions)."""
+    folded = fold_rollout(rollouts.get(event.rollout_id), event)
+    if folded is not None:
+        rollouts[event.rollout_id] = folded
 
 
 def fold_event(
@@ -227,6 +247,7 @@ _PRIMARY_KEYS = {
     "calls": ("rollout_id", "model_call_id"),
     "staged_keys": ("staging_key",),
     "cut_receipts": ("checkpoint_id", "inventory_digest"),
+    "rollouts": ("rollout_id",),
 }
 
 

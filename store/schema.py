@@ -20,9 +20,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002")
+SCHEMA_REVISIONS = ("0001", "0002", "0003")
 
 metadata = MetaData()
 
@@ -94,7 +94,23 @@ cut_receipts = Table(
     sqlite_with_rowid=False,
 )
 
-PROJECTION_TABLES = (staged_keys, calls, cut_receipts)
+# Fences, ledger counts and deletions per capture key (only keys that have any; see RolloutState).
+rollouts = Table(
+    "rollouts",
+    metadata,
+    Column("rollout_id", String, primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("fenced", Integer, nullable=False),
+    Column("fence_seq", BigInteger, nullable=True),
+    Column("ledger_rows", BigInteger, nullable=False),
+    Column("ledger_failures", BigInteger, nullable=False),
+    Column("deletions", BigInteger, nullable=False),
+    Column("deleted_events", BigInteger, nullable=False),
+    Column("last_seq", BigInteger, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+PROJECTION_TABLES = (staged_keys, calls, cut_receipts, rollouts)
 
 
 def version_key(version: int) -> str:

@@ -32,11 +32,18 @@ from store.log import EventLog, NewEvent, WriteTransaction
 from store.projections import RECEIPT_STREAM, generated_spans
 from store.queries import CallInfo, Reader, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
 from store.rebuild import LinearizedRollout
-from store.records import StagedCallRecord, StagedCallSnapshot, StageResult
+from store.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult
 from store.replay import ReplayReport, replay
+from store.retention import ids as retention_ids
+from store.retention import removal
+from store.retention import retain as retention_retain
+from store.retention.compact import CompactReport
+from store.retention.compact import compact as compact_store
+from store.retention.ledger import CaptureLedger
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
+
 
 @dataclass(frozen=True)
 class StageEntry:
@@ -68,6 +75,8 @@ class Store:
             read_only=self._read_only,
         )
         self._reader = Reader(self._engine)
+        self._retention = removal.RetentionStatements(self._engine)
+        self._retain = retention_retain.RetainStatements(self._engine)
         self._pid = os.getpid()
         try:
             if self._read_only:
@@ -365,6 +374,51 @@ class Store:
         arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
 
+    # --- retention (store.retention) -------------------------------------------------------
+
+    @operation
+    def retire(self, capture_keys: Sequence[str]) -> RolloutRemoval:
+        """Fence capture keys: later stage/stage_all/cuts/admissions/ledger writes for them raise
+        ``RolloutFencedError`` and write nothing; staged records stay readable.  ``removed``
+        names keys that hold events, ``absent`` the others (fenced too).  Again: a no-op."""
+        keys = retention_ids.capture_keys("capture_keys", capture_keys)
+        return self._log.write(lambda tx: removal.retire(tx, self._retention, keys))
+
+    @operation
+    def forget(self, capture_keys: Sequence[str]) -> RolloutRemoval:
+        """Remove the fences of capture keys; ``absent`` names keys that had none."""
+        keys = retention_ids.capture_keys("capture_keys", capture_keys)
+        return self._log.write(lambda tx: removal.forget(tx, keys), durable=False)
+
+    @operation
+    def delete(self, capture_keys: Sequence[str]) -> RolloutRemoval:
+        """Remove every event of the capture keys (staged tokens, admissions, ledger rows),
+        their projection rows and fences, leaving a tombstone each; ``compact()`` returns the
+        space to the file system.  Sequence numbers are never reused."""
+        keys = retention_ids.capture_keys("capture_keys", capture_keys)
+        return self._log.write(lambda tx: removal.delete(tx, self._retention, keys))
+
+    @operation
+    def retain(self, keys: Sequence[str], *, capture_keys: Sequence[str] | None = None) -> RolloutRemoval:
+        """Keep exactly ``keys`` (a commit's retain set, 5.2) of the capture keys in scope
+        (``capture_keys``, else those owning a kept key): every other live key of theirs is
+        withdrawn, retired or not.  ``removed``: the withdrawn keys; ``absent``: kept keys that
+        hold nothing.  The records stay in the log (``delete`` frees space)."""
+        keep = list(dict.fromkeys(arguments.texts("retain() keys", keys)))
+        scope = None if capture_keys is None else retention_ids.capture_keys("capture_keys", capture_keys)
+        return self._log.write(lambda tx: retention_retain.retain(tx, self._retain, keep, scope), durable=False)
+
+    @operation
+    def compact(self) -> CompactReport:
+        """Give deleted space back to the file system (SQLite: incremental vacuum and a WAL
+        truncate, converting an older store once; PostgreSQL: VACUUM)."""
+        return compact_store(self._engine, self._backend)
+
+    @operation
+    def ledger(self) -> CaptureLedger:
+        """The capture ledger (wire-contract 6.5) over this store's log and fences."""
+        return CaptureLedger(self._log, self._engine, self._retention, self._calls, self._check_process)
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -387,6 +441,7 @@ class Store:
 
 def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
     assert event.staging_key is not None
+    tx.check_fence(event.rollout_id)  # even an identical re-stage of a retired key is refused
     existing = tx.key(event.staging_key)
     if existing is not None:
         same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)

@@ -24,6 +24,7 @@ from click.testing import CliRunner
 
 from store.cli import main
 from store.cli.main import COMMANDS, cli
+from store.schema import SCHEMA_REVISION
 
 SCRIPT = Path(sys.executable).with_name("staging-store")
 READ_COMMANDS = ["audit", "rollouts", "keys", "versions", "export", "replay", "lineage", "show"]
@@ -266,7 +267,7 @@ def test_replay_repair_is_the_write_command(copy: Path, capsys: Any) -> None:
 def test_migrate(copy: Path, tmp_path: Path, capsys: Any) -> None:
     code, out, _ = run(capsys, "migrate", str(copy), "--json")
     assert code == 0 and json.loads(out) == {
-        "store": str(copy), "from_revision": "0002", "to_revision": "0002", "changed": False,
+        "store": str(copy), "from_revision": SCHEMA_REVISION, "to_revision": SCHEMA_REVISION, "changed": False,
     }  # fmt: skip
     new = tmp_path / "new.db"
     code, _, err = run(capsys, "migrate", str(new))

@@ -23,6 +23,7 @@ from capture_helpers import Versions
 from factories import make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rollouts import manifest_row
 from test_records import admission, call_row, child_record, coords, cut, failed_coords, receipt
 
 import store as lib
@@ -717,6 +718,10 @@ def test_every_store_entry_point_refuses_wrong_types_and_writes_nothing(store_ur
     )
     ids = {"rollout_id": "rollout-1", "model_call_id": "call-1"}
     none_ok = ("None",)
+    ledger = store.ledger()
+    commit = CaptureLedgerCommit(
+        rollout_id="rollout-1", record=manifest_row(record), staging_chain=(record.staging_key,)
+    )
     table: list[tuple[str, Callable[..., Any], dict[str, Any], dict[str, tuple[str, ...]]]] = [
         (
             "stage",
@@ -744,6 +749,28 @@ def test_every_store_entry_point_refuses_wrong_types_and_writes_nothing(store_ur
         ("completion", store.completion, ids, {}),
         ("cut_receipt", store.cut_receipt, {"checkpoint_id": "c", "inventory_digest": "d"}, {}),
         ("replay", store.replay, {"repair": False}, {"repair": ("True",)}),
+        ("retire", store.retire, {"capture_keys": ["rollout-9"]}, {}),
+        ("forget", store.forget, {"capture_keys": ["rollout-9"]}, {}),
+        ("delete", store.delete, {"capture_keys": ["rollout-9"]}, {}),
+        (
+            "retain",
+            store.retain,
+            {"keys": [record.staging_key], "capture_keys": None},
+            {"keys": ("empty list",), "capture_keys": none_ok},
+        ),
+        ("ledger.record", ledger.record, {"commit": commit}, {}),
+        ("ledger.record_failure", ledger.record_failure, {**ids, "reason": "r"}, {}),
+        (
+            "ledger.record_lineage",
+            ledger.record_lineage,
+            {**ids, "request_items": [], "response_items": []},
+            {"request_items": ("empty list",), "response_items": ("empty list",)},
+        ),
+        ("ledger.manifest", ledger.manifest, {"rollout_id": "rollout-1"}, {}),
+        ("ledger.has_rows", ledger.has_rows, {"rollout_id": "rollout-1"}, {}),
+        ("ledger.admit", ledger.admit, {**ids, "request_items": []}, {"request_items": ("empty list",)}),
+        ("ledger.retire", ledger.retire, {"rollout_ids": ["rollout-9"]}, {}),
+        ("ledger.delete", ledger.delete, {"rollout_ids": ["rollout-9"]}, {}),
         ("record_admission", store.record_admission, {**ids, "body": body}, {}),
         ("record_failure", store.record_failure, {**ids, "reason": "r"}, {"reason": ("empty string",)}),
         (

@@ -197,6 +197,7 @@ def test_migration_0002_rewrites_the_checksums_that_verify(store_url: str) -> No
                     sa.text("UPDATE events SET checksum = :c WHERE seq = :seq"), {"c": checksum, "seq": row["seq"]}
                 )
             connection.execute(sa.text("UPDATE alembic_version SET version_num = '0001'"))
+            connection.execute(sa.text("DROP TABLE rollouts"))  # created by revision 0003
     finally:
         engine.dispose()
 

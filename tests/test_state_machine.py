@@ -12,6 +12,11 @@ repeated inventories, and forks.  After every step:
 * keys a completion withdrew are gone;
 * a continued call's record carries the oldest policy version of its parts;
 * sequence numbers only grow;
+* a committed ledger row is in its rollout's manifest (refused while retired, gone once deleted);
+* retain keeps exactly a commit's retain set of a capture key (the other keys are gone);
+* a retired capture key refuses a late write (``RolloutFencedError``) and writes nothing, a
+  forgotten one no longer does, and a deleted rollout's keys are gone (its tombstones explain
+  the gap to the audit, and replay still equals the projections);
 * every completed rollout linearizes (``Store.linearize``) and exports (``Store.export_jsonl``)
   to exactly the model's tokens and oldest policy version; a failed one is refused as
   ``capture_poisoned``, one that generated nothing as ``empty_generation``.
@@ -40,16 +45,20 @@ from factories import make_record
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from rollouts import manifest_row
 
 from store import (
     ActiveCall,
+    CallRecord,
     CaptureAdmission,
+    CaptureLedgerCommit,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
     GenerationCutReceipt,
     ReadOnlyStoreError,
     ReceiptVerificationError,
+    RolloutFencedError,
     RolloutTokenCapture,
     Store,
     UnknownKeyError,
@@ -130,6 +139,11 @@ class StoreMachine(RuleBasedStateMachine):
         # A rollout ended since linearize, export or the lineage views last ran.
         self.unread_endings = self.unexported_endings = self.unviewed_endings = False
         self.untrainable: set[str] = set()
+        self.attempt_keys: dict[str, set[str]] = {}  # rollout -> every capture key it used
+        self.fenced: set[str] = set()  # retired capture keys
+        self.deleted: set[str] = set()  # staging keys of deleted rollouts, or dropped by retain
+        self.ledger_rows: dict[str, list[CallRecord]] = {}  # capture key -> its committed ledger rows
+        self.deleted_since_compact = False
 
     def _open(self) -> None:
         self.store: Store = open_store(self.path)
@@ -173,6 +187,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.capture.track(call, prompt_token_ids=prompt, effective_output_limit=OUTPUT_LIMIT)
         model = LiveModel(rollout_id, 0, call_id, call, list(prompt), version=self.version, oldest_version=self.version)
         self.live[model.key] = model
+        self.attempt_keys[rollout_id] = {model.key[0]}
 
     @precondition(has_live)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=5))
@@ -257,7 +272,7 @@ class StoreMachine(RuleBasedStateMachine):
         return [
             (expected.rollout_id, expected.model_call_id)
             for key, expected in self.acked.items()
-            if not key.startswith("__") and expected.digest is not None
+            if not key.startswith("__") and expected.digest is not None and expected.rollout_id not in self.fenced
         ]
 
     def _note_receipt(self, inventory: GenerationCutInventory, receipt: GenerationCutReceipt) -> None:
@@ -385,6 +400,126 @@ class StoreMachine(RuleBasedStateMachine):
             oldest_version=min(source.oldest_version, self.version),
         )
         self.live[model.key] = model
+        self.attempt_keys[source.rollout_id].add(model.key[0])
+
+    # --- retention: retire, forget, delete --------------------------------------------------------
+
+    def _quiet_keys(self) -> list[str]:
+        """Capture keys with no live call (a lost call's key is quiet: restore only reads it)."""
+        live = {key[0] for key in self.live}
+        return sorted(key for keys in self.attempt_keys.values() for key in keys if key not in live)
+
+    def _deletable(self) -> list[str]:
+        """Rollouts whose every attempt is quiet and none of whose cuts a restore still needs."""
+        busy = {model.rollout_id for model in self.live.values()} | {lost.model.rollout_id for lost in self.lost}
+        return sorted(rollout for rollout in self.attempt_keys if rollout not in busy)
+
+    def _retirable(self) -> list[str]:
+        return [key for key in self._quiet_keys() if key not in self.fenced]
+
+    @precondition(lambda self: bool(self._retirable()))
+    @rule(data=st.data())
+    def retire(self, data: st.DataObject) -> None:
+        """Retire an attempt (as a restore does); a second retire is a no-op."""
+        self.steps["retire"] += 1
+        key = data.draw(st.sampled_from(self._retirable()))
+        removal = self.store.retire([key])
+        assert removal.removed + removal.absent == [key]
+        self.fenced.add(key)
+        assert self.store.retire([key]).removed + self.store.retire([key]).absent == [key]
+
+    @precondition(lambda self: bool(self.fenced))
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        self.steps["forget"] += 1
+        key = data.draw(st.sampled_from(sorted(self.fenced)))
+        assert self.store.forget([key]).removed == [key]
+        self.fenced.discard(key)
+        assert self.store.forget([key]).absent == [key]
+
+    @precondition(lambda self: bool(self._deletable()))
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        """Delete every attempt of a finished rollout: its keys go, and so do its fences."""
+        self.steps["delete"] += 1
+        rollout = data.draw(st.sampled_from(self._deletable()))
+        keys = sorted(self.attempt_keys.pop(rollout))
+        removal = self.store.delete(keys)
+        assert sorted(removal.removed + removal.absent) == keys
+        assert self.store.delete(keys).absent == keys  # nothing left, no fence: absent
+        for staging_key, expected in list(self.acked.items()):
+            if expected.rollout_id in keys:
+                del self.acked[staging_key]
+                self.deleted.add(staging_key)
+        self.fenced.difference_update(keys)
+        self.deleted_since_compact = True
+        for capture in keys:
+            self.ledger_rows.pop(capture, None)
+        for table in (self.finished, self.finished_calls):
+            table.pop(rollout, None)
+        self.failed.discard(rollout)
+        self.untrainable.discard(rollout)
+
+    def _retainable(self) -> list[str]:
+        """Quiet capture keys holding cut keys that no restore still needs."""
+        needed = {lost.model.key[0] for lost in self.lost}
+        with_cuts = {expected.rollout_id for key, expected in self.acked.items() if key.startswith("__")}
+        return [key for key in self._quiet_keys() if key not in needed and key in with_cuts]
+
+    @precondition(lambda self: bool(self._retainable()))
+    @rule(data=st.data())
+    def retain(self, data: st.DataObject) -> None:
+        """A commit's retain set: the terminal keys and some cut keys; the others are withdrawn."""
+        self.steps["retain"] += 1
+        key = data.draw(st.sampled_from(self._retainable()))
+        owned = sorted(staging_key for staging_key, expected in self.acked.items() if expected.rollout_id == key)
+        cuts = [staging_key for staging_key in owned if staging_key.startswith("__")]
+        keep = [staging_key for staging_key in owned if not staging_key.startswith("__")]
+        if cuts:
+            keep += data.draw(st.lists(st.sampled_from(cuts), unique=True))
+        removal = self.store.retain(keep, capture_keys=[key])
+        dropped = set(owned) - set(keep)
+        assert dropped <= set(removal.removed) and not set(removal.removed) & set(keep)
+        assert removal.absent == []
+        for staging_key in dropped:
+            del self.acked[staging_key]
+            self.deleted.add(staging_key)
+
+    def _uncommitted(self) -> list[str]:
+        """Terminal keys of unfenced capture keys that have no ledger row yet."""
+        committed = {row.staging_key for rows in self.ledger_rows.values() for row in rows}
+        return [
+            key
+            for key, expected in sorted(self.acked.items())
+            if not key.startswith("__")
+            and expected.digest is not None
+            and expected.rollout_id not in self.fenced
+            and key not in committed
+        ]
+
+    @precondition(lambda self: bool(self._uncommitted()))
+    @rule(data=st.data())
+    def ledger_commit(self, data: st.DataObject) -> None:
+        """Gym commits a finished call's ledger row (token-free); the same commit again is a no-op."""
+        self.steps["ledger_commit"] += 1
+        key = data.draw(st.sampled_from(self._uncommitted()))
+        [snapshot] = self.store.fetch([key])
+        commit = CaptureLedgerCommit(
+            rollout_id=snapshot.rollout_id, record=manifest_row(snapshot), staging_chain=(key,)
+        )
+        ledger = self.store.ledger()
+        ledger.record(commit)
+        ledger.record(commit)
+        self.ledger_rows.setdefault(snapshot.rollout_id, []).append(commit.record)
+
+    @precondition(lambda self: self.deleted_since_compact)
+    @rule()
+    def compact(self) -> None:
+        """Give a delete's space back (only after one: compaction is not free)."""
+        self.steps["compact"] += 1
+        self.deleted_since_compact = False
+        report = self.store.compact()
+        assert report.bytes_after <= report.bytes_before + 64 * 1024  # never grows past a page or two
 
     @precondition(lambda self: bool(self.receipts))
     @rule()
@@ -525,6 +660,35 @@ class StoreMachine(RuleBasedStateMachine):
             except UnknownKeyError:
                 continue
             raise AssertionError(f"withdrawn key {key!r} is still served")
+
+    @invariant()
+    def fences_refuse_late_writes_and_deleted_keys_are_gone(self) -> None:
+        for key in sorted(self.fenced):
+            late = make_record(rollout_id=key, model_call_id=self._next("late"), weight_version=1)
+            try:
+                self.store.stage(late)
+            except RolloutFencedError:
+                continue
+            raise AssertionError(f"a late write for retired {key!r} was accepted")
+        for staging_key in sorted(self.deleted):
+            try:
+                self.store.fetch([staging_key])
+            except UnknownKeyError:
+                continue
+            raise AssertionError(f"deleted key {staging_key!r} is still served")
+
+    @invariant()
+    def ledger_manifests_hold_the_committed_rows(self) -> None:
+        ledger = self.store.ledger()
+        for capture, rows in sorted(self.ledger_rows.items()):
+            if capture in self.fenced:
+                try:
+                    ledger.manifest(capture)
+                except RolloutFencedError:
+                    continue
+                raise AssertionError(f"the manifest of retired {capture!r} was served")
+            assert ledger.manifest(capture).records == rows
+            assert ledger.has_rows(capture)
 
     @invariant()
     def projections_equal_a_replay(self) -> None:

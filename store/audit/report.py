@@ -14,8 +14,20 @@ CUMULATIVE = "cumulative"  # a leaf's cumulative hash (or length) does not match
 CONTINUATION = "continuation"  # a continued call did not resume the cut it names
 STAGED_KEY = "staged_key"  # a staged key does not point at its own record
 PROJECTION = "projection"  # a projection row differs from a replay of the log
+TOMBSTONE = "tombstone"  # a delete's tombstone stands, but events it removed are still in the log
 
-CODES = (CHECKSUM, UNDECODABLE, DIGEST, CHAIN, PARENT_LENGTH, CUMULATIVE, CONTINUATION, STAGED_KEY, PROJECTION)
+CODES = (
+    CHECKSUM,
+    UNDECODABLE,
+    DIGEST,
+    CHAIN,
+    PARENT_LENGTH,
+    CUMULATIVE,
+    CONTINUATION,
+    STAGED_KEY,
+    PROJECTION,
+    TOMBSTONE,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,9 @@ class AuditReport:
     ``leaves`` (cumulative hashes recomputed over a whole lineage), ``continuations``,
     ``resumed_records`` (continued calls' records matched against their cut),
     ``projection_rows``, and ``unverifiable`` (records whose parent tokens are not in the
-    store, so their chain or cumulative hash could not be recomputed)."""
+    store, so their chain or cumulative hash could not be recomputed), and after deletes
+    ``tombstones``, ``deleted_events`` (what they removed) and ``continuations_of_deleted``
+    (continued calls whose cut went with its attempt's delete)."""
 
     ok: bool
     problems: tuple[AuditProblem, ...]

@@ -31,6 +31,7 @@ from store.audit.report import (
     PARENT_LENGTH,
     PROJECTION,
     STAGED_KEY,
+    TOMBSTONE,
     UNDECODABLE,
     AuditProblem,
     AuditReport,
@@ -45,15 +46,24 @@ from store.digest import (
 )
 from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError, StoreError
-from store.events import RECORD_KINDS, AdmissionBody, EventKind, RecordBody
+from store.events import (
+    LEDGER_KINDS,
+    RECORD_KINDS,
+    RETENTION_KINDS,
+    AdmissionBody,
+    EventKind,
+    RecordBody,
+    TombstoneBody,
+)
 from store.integrity import DECODE_ERRORS, verified_event
-from store.projections import CallState, Event, KeyState
+from store.projections import CallState, Event, KeyState, RolloutState
 from store.queries import record_fields, stored_columns
 from store.records import GenerationCutContinuation, from_json
 from store.replay import (
     ReplayDifference,
     UnreadableRow,
     fold_event,
+    fold_rollout_event,
     key_row,
     paused_gc,
     receipt_row,
@@ -118,7 +128,6 @@ def audit_store(engine: Engine, backend: Backend, progress: Progress | None = No
     return report
 
 
-
 class _Audit:
     def __init__(self, connection: sa.Connection, progress: Progress | None) -> None:
         self.connection = connection
@@ -137,6 +146,11 @@ class _Audit:
         self.rebuilt_calls: dict[tuple[str, str], CallState] = {}
         self.rebuilt_keys: dict[str, KeyState] = {}
         self.rebuilt_receipts: dict[tuple[str, str], int] = {}
+        self.rebuilt_rollouts: dict[str, RolloutState] = {}
+        # Capture keys with a delete (a tombstone): their removed events explain gaps, and
+        # the events of theirs the pass meets are kept to check the delete really removed them.
+        self.deleted = self._deleted_keys()
+        self.survivors: dict[str, list[tuple[int, EventKind]]] = {}
 
     # --- the pass ---------------------------------------------------------------------------
 
@@ -181,10 +195,37 @@ class _Audit:
             self._unreadable(row, exc)
             return
         fold_event(event, self.rebuilt_calls, self.rebuilt_keys, self.rebuilt_receipts)
+        fold_rollout_event(event, self.rebuilt_rollouts)
+        if event.rollout_id in self.deleted:
+            self._deleted_stream(event)
         if event.kind is EventKind.CALL_ADMITTED:
             self._admission(event)
         elif event.kind in RECORD_KINDS:
             self._record(event, row)
+
+    # --- deletions: tombstones ----------------------------------------------------------------
+
+    def _deleted_keys(self) -> set[str]:
+        rollouts = schema.rollouts
+        query = sa.select(rollouts.c.rollout_id).where(rollouts.c.deletions > 0)
+        return {row[0] for row in self.connection.execute(query)}
+
+    def _deleted_stream(self, event: Event) -> None:
+        """A tombstone explains the gap it left; an event it should have removed is a problem."""
+        if event.kind is not EventKind.ROLLOUT_DELETED:
+            if event.kind not in RETENTION_KINDS:
+                self.survivors.setdefault(event.rollout_id, []).append((event.seq, event.kind))
+            return
+        body: TombstoneBody = event.body
+        self.counts["tombstones"] += 1
+        self.counts["deleted_events"] += body.events
+        seen = self.survivors.pop(event.rollout_id, [])
+        left = [seq for seq, kind in seen if not body.ledger_only or kind in LEDGER_KINDS]
+        if body.ledger_only:  # the staged events stay; a later full delete must remove them
+            self.survivors[event.rollout_id] = [item for item in seen if item[1] not in LEDGER_KINDS]
+        if left:
+            reason = f"the delete at event {event.seq} left {len(left)} event(s) of the capture key (first {left[0]})"
+            self.problem(TOMBSTONE, reason, seq=event.seq, rollout_id=event.rollout_id)
 
     def _unreadable(self, row: Mapping[str, Any], exc: CorruptRecordError) -> None:
         """A damaged event: named, and its call and key left out of the projection check
@@ -323,6 +364,10 @@ class _Audit:
         except (StoreError, *DECODE_ERRORS) as exc:
             self.problem(CONTINUATION, f"its continuation cannot be read: {exc}", **where)
             return
+        gone = any(key not in self.records_by_key for key in continuation.staging_keys)
+        if gone and continuation.source_capture_key in self.deleted:
+            self.counts["continuations_of_deleted"] += 1  # the cut went with its attempt's delete
+            return
         reasons = self._continuation_problems(event, body, continuation)
         for reason in reasons:
             self.problem(CONTINUATION, reason, **where)
@@ -457,6 +502,8 @@ class _Audit:
         self._compare(schema.calls, ("rollout_id", "model_call_id"), rebuilt_calls, self._row_problem)
         receipts = {ident: receipt_row(ident, seq) for ident, seq in self.rebuilt_receipts.items()}
         self._compare(schema.cut_receipts, ("checkpoint_id", "inventory_digest"), receipts, self._row_problem)
+        rollouts = {(key,): state.to_row() for key, state in self.rebuilt_rollouts.items()}
+        self._compare(schema.rollouts, ("rollout_id",), rollouts, self._row_problem)
 
     def _compare(
         self,
@@ -567,4 +614,3 @@ def _event_where(event: Event) -> dict[str, Any]:
         "rollout_id": event.rollout_id,
         "model_call_id": event.model_call_id,
     }
-

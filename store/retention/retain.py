@@ -1,0 +1,74 @@
+"""``Store.retain``: keep exactly a checkpoint's retain set of a capture key's staged records.
+
+A commit (wire-contract 5.2) lists the staging keys the framework must keep: every ledger
+row's key and the cut keys of the one cut kept per episode.  Every other live key of the
+capture keys in scope is withdrawn with a ``keys_cleared`` event (reason ``retention``), one
+per call, even on a retired capture key (a fence stops the dead attempt, not the framework's
+own cleanup).  The records stay in the log, so lineage audits and continuations still read
+them; ``Store.delete`` is what gives space back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from store import schema
+from store.engine import Statement
+from store.events import RECORD_KINDS, EventKind, KeysClearedBody
+from store.log import NewEvent, WriteTransaction
+from store.records import RolloutRemoval
+
+RETENTION_REASON = "retention"
+
+
+class RetainStatements:
+    def __init__(self, engine: Engine) -> None:
+        events = schema.events
+        self.record_keys = Statement(
+            sa.select(events.c.model_call_id, events.c.staging_key, events.c.kind)
+            .where(events.c.rollout_id == sa.bindparam("rollout_id"), events.c.staging_key.is_not(None))
+            .order_by(events.c.seq),
+            engine,
+        )
+
+
+_RECORD_KIND_VALUES = frozenset(kind.value for kind in RECORD_KINDS)
+
+
+def retain(
+    tx: WriteTransaction, sql: RetainStatements, keep: Sequence[str], capture_keys: Sequence[str] | None
+) -> RolloutRemoval:
+    """Withdraw every live key of the capture keys in scope that ``keep`` does not name.
+
+    The scope is ``capture_keys``, or else the capture keys owning a key of ``keep``.
+    ``removed`` lists the withdrawn staging keys; ``absent`` the kept keys that hold nothing.
+    """
+    kept = set(keep)
+    absent: list[str] = []
+    scope: list[str] = list(capture_keys) if capture_keys is not None else []
+    for key in keep:
+        state = tx.key(key)
+        if state is None:
+            absent.append(key)
+        elif capture_keys is None and state.rollout_id not in scope:
+            scope.append(state.rollout_id)
+    removed: list[str] = []
+    for rollout_id in scope:
+        by_call: dict[str, list[str]] = {}
+        for call_id, staging_key, kind in tx.run(sql.record_keys, {"rollout_id": rollout_id}).fetchall():
+            if kind not in _RECORD_KIND_VALUES or staging_key in kept:
+                continue
+            state = tx.key(staging_key)
+            owned = state is not None and (state.rollout_id, state.model_call_id) == (rollout_id, call_id)
+            calls_keys = by_call.setdefault(call_id, [])
+            if owned and staging_key not in calls_keys:
+                calls_keys.append(staging_key)
+        for call_id, keys in by_call.items():
+            if keys:
+                body = KeysClearedBody(staging_keys=keys, reason=RETENTION_REASON)
+                tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, call_id, body, past_fence=True))
+                removed += keys
+    return RolloutRemoval(removed=removed, absent=absent)
