@@ -14,8 +14,7 @@ import click
 from store.cli import exits
 
 # Each command and where it lives (module:function); a module is imported only when its
-# command runs or its help is shown.  Retention (retire, delete, forget, compact) and
-# ``workers`` join here as their library calls land: one module each.
+# command runs or its help is shown.  ``workers`` joins here when its library call lands.
 COMMANDS = {
     "demo": "store.cli.demo:demo",
     "audit": "store.cli.check:audit",
@@ -27,6 +26,10 @@ COMMANDS = {
     "versions": "store.cli.versions:versions",
     "export": "store.cli.export:export",
     "migrate": "store.cli.migrate:migrate",
+    "retire": "store.cli.retention:retire",
+    "forget": "store.cli.retention:forget",
+    "delete": "store.cli.retention:delete",
+    "compact": "store.cli.retention:compact",
 }
 
 
@@ -72,7 +75,8 @@ def cli() -> None:
 
     Every command takes the store as its first argument (a SQLite path or a postgresql://
     URL) or reads $STAGING_STORE.  Read commands open it read-only and never change a byte;
-    only `migrate` and `replay --repair` write.  Every command has --json.
+    only `migrate`, `replay --repair` and the retention commands (retire, forget, delete,
+    compact) write, and those never create a store.  Every command has --json.
     """
 
 

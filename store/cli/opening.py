@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from store.cli.exits import CommandError
+
 if TYPE_CHECKING:
     from store.store import Store
 
@@ -62,9 +64,13 @@ def read_only(given: str | None) -> Iterator[Store]:
 @contextmanager
 def writable(given: str | None) -> Iterator[Store]:
     """Open an existing store for writing (a write command); a missing file is refused, not created."""
+    from store.engine import resolve_url
     from store.store import open_store
 
     where = location(given)
+    url = resolve_url(where)
+    if url.get_backend_name() == "sqlite" and url.database and not os.path.exists(url.database):
+        raise CommandError(f"no store at {url.database}; write commands never create one (see `migrate --create`)")
     with open_store(where, read_only=True):  # exists, is a store, has this schema: else a one-line error
         pass
     with open_store(where) as store:
