@@ -107,6 +107,7 @@ def _call_json(call: LineageCall) -> dict[str, Any]:
             "generation_token_count": resumes.generation_token_count,
         },
         "resumed_by": call.resumed_by,
+        "retired": call.retired,
     }
 
 
@@ -119,7 +120,7 @@ def _versions(call: LineageCall) -> str:
 
 
 def _label(call: LineageCall) -> str:
-    colour = {"completed": "green", "failed": "red"}.get(call.state, "yellow")
+    colour = {"completed": "green", "failed": "red", "retired": "dim"}.get(call.state, "yellow")
     parts = [
         f"[bold]{call.model_call_id}[/bold]",
         f"[{colour}]{call.state}[/{colour}]",
@@ -146,7 +147,8 @@ def _tree(found: RolloutLineage) -> Any:
     root = Tree(f"rollout [bold]{escape(found.rollout_id)}[/bold]")
     for attempt_key in found.attempts:
         calls = [call for call in found.calls if call.capture_key == attempt_key]
-        branch = root.add(f"attempt {calls[0].attempt if calls else '?'}: {escape(attempt_key)}")
+        fence = "  [dim](retired: late writes refused)[/dim]" if calls and calls[0].retired else ""
+        branch = root.add(f"attempt {calls[0].attempt if calls else '?'}: {escape(attempt_key)}{fence}")
         nodes: dict[str, Any] = {}
         for call in calls:  # parents commit before their children
             parent = nodes.get(call.parent_call_id or "", branch)

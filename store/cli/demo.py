@@ -29,7 +29,8 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, as_json
     Worker processes serve 3-turn rollouts from a deterministic toy engine (seeded token ids
     and log-probs, no model download), staging through RolloutTokenCapture.  Mid-decoding a
     checkpoint cuts the in-flight calls; every worker is killed with SIGKILL; fresh workers
-    restore as the next attempt and continue each cut call from its validated prefix; then
+    restore as the next attempt and continue each cut call from its validated prefix; the
+    dead attempt is retired (a late write from it is tried and must be refused); then
     the store is audited and exported, and every exported rollout is checked token for token
     against the same rollout decoded without a crash.
     """
@@ -52,6 +53,8 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, as_json
         "continuations_validated": summary.continuations_validated,
         "workers_lost": summary.workers_lost,
         "workers_rejoined": summary.workers_rejoined,
+        "attempts_retired": summary.attempts_retired,
+        "late_writes_refused": summary.late_writes_refused,
         "audit_ok": summary.audit_ok,
         "audit_problems": summary.audit_problems,
         "exported_rows": summary.exported_rows,
@@ -102,6 +105,8 @@ def _show(s: dict[str, Any]) -> None:
         ["tokens decoded in cut calls after the restore", s["tokens_after_restore"]],
         ["continuations validated", s["continuations_validated"]],
         ["workers lost (SIGKILL) / rejoined", f"{s['workers_lost']} / {s['workers_rejoined']}"],
+        ["dead attempts retired (Store.retire)", s["attempts_retired"]],
+        ["late writes from a dead attempt refused", s["late_writes_refused"]],
         ["audit", "ok" if s["audit_ok"] else f"FAILED ({s['audit_problems']} problems)"],
         ["rows exported", s["exported_rows"]],
         ["rollouts identical to an uninterrupted run", f"{s['rollouts_identical']} / {s['rollouts']}"],

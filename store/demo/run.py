@@ -37,8 +37,8 @@ class DemoError(Exception):
 class Events:
     """What the coordinator observes: workers joining and lost, attempts superseded.
 
-    The seam for the coordinator (issue 9: its worker join/lost log) and for retiring the dead
-    attempt (issue 8: ``Store.retire``): until they land, these are only recorded here.
+    The seam for the coordinator (issue 9: its worker join/lost log).  The superseded attempts
+    are retired with ``Store.retire`` once every cut call has been continued (``_retire``).
     """
 
     def __init__(self) -> None:
@@ -71,6 +71,8 @@ class Summary:
     continuations_validated: int = 0
     workers_lost: int = 0
     workers_rejoined: int = 0
+    attempts_retired: int = 0  # dead attempts' capture keys fenced with Store.retire
+    late_writes_refused: int = 0  # a late write from a dead attempt, refused by its fence
     audit_ok: bool = False
     audit_problems: int = 0
     exported_rows: int = 0
@@ -271,12 +273,46 @@ def run_demo(path: str, *, rollouts: int, workers: int, tokens: int, seed: int, 
                 summary.workers_rejoined += 1
             else:
                 summary.failures.append(f"fresh worker {worker.process.pid} exited {worker.process.returncode}")
+        say(f"retiring the dead attempt of {len(events.superseded)} rollouts; one late write tried")
+        _retire(path, events.superseded, plans[0], engine, summary)
     finally:
         for worker in started_workers:
             worker.close()
     _verify(path, export_path, engine, plans, summary, say)
     summary.seconds = round(time.perf_counter() - started, 2)
     return summary
+
+
+def _retire(path: str, superseded: list[str], plan: dict[str, Any], engine: ToyEngine, summary: Summary) -> None:
+    """Fence the dead attempt's capture keys, then play its worker once more: a zombie of
+    attempt 0 admits and finishes its cut call.  The fence must refuse it and write nothing."""
+    from store.capture import RolloutTokenCapture
+    from store.demo.worker import Turns
+    from store.errors import RolloutFencedError
+
+    with open_store(path) as store:
+        retired = store.retire(superseded)
+        summary.attempts_retired = len(retired.removed)
+        if retired.absent:
+            summary.failures.append(f"retired capture keys that held nothing: {', '.join(retired.absent)}")
+        capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: POLICY_VERSION, flush_interval=3600.0)
+        dead = plan["rollout_id"]
+        try:
+            turns = Turns(capture, engine, plan["index"], dead)
+            chain = store.fetch([f"{dead}/c{turn}" for turn in range(plan["cut_turn"])])
+            turns.history = [int(token) for record in chain for token in record.token_ids_delta]
+            turns.parent = (chain[-1].model_call_id, chain[-1].chain_hash)
+            before = store.call(dead, f"c{plan['cut_turn']}")
+            turns.play(plan["cut_turn"])
+        except RolloutFencedError:
+            if store.call(dead, f"c{plan['cut_turn']}") == before:
+                summary.late_writes_refused += 1
+            else:
+                summary.failures.append(f"{dead}: a refused late write changed the call")
+        else:
+            summary.failures.append(f"{dead}: a late write from the retired attempt was accepted")
+        finally:
+            capture.close()
 
 
 def _verify(

@@ -26,6 +26,7 @@ from store.lineage.family import (
     resolve_rollout,
     split_capture_key,
 )
+from store.projections import TERMINAL_STATES
 from store.queries import Reader, StagedKeyInfo, VersionSpan
 from store.records import GenerationCutContinuation, from_json
 
@@ -63,6 +64,9 @@ class LineageCall:
     resumes: ResumedCut | None
     resumed_by: str | None  # the capture key of the attempt that continued this call, if any
     writer_pid: int | None = None  # the process (worker) that admitted the call, from its admission event
+    # The call's capture key is retired (a fence is in place).  An unfinished call of a retired
+    # attempt shows the state "retired": it can never finish, its late writes are refused.
+    retired: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,16 +171,25 @@ def _resumed(continuation: GenerationCutContinuation | None, present: set[str]) 
     )
 
 
+def fenced_keys(reader: Reader, keys: set[str]) -> set[str]:
+    """The capture keys among ``keys`` that are retired (the rollouts projection's fences)."""
+    rollouts = schema.rollouts
+    query = sa.select(rollouts.c.rollout_id).where(rollouts.c.rollout_id.in_(sorted(keys)), rollouts.c.fenced != 0)
+    with reader.connection("reading fences") as connection:
+        return {row[0] for row in connection.execute(query)}
+
+
 def _lineage_call(
-    call: FamilyCall, admission: Admission | None, resumed_by: str | None, present: set[str]
+    call: FamilyCall, admission: Admission | None, resumed_by: str | None, present: set[str], retired: bool
 ) -> LineageCall:
     state = call.state
+    unfinished = state.state not in TERMINAL_STATES
     return LineageCall(
         capture_key=call.capture_key,
         attempt=call.attempt,
         model_call_id=state.model_call_id,
         parent_call_id=state.parent_call_id,
-        state=state.state,
+        state="retired" if retired and unfinished else state.state,
         mode=state.mode,
         prev_len=state.prev_len,
         cum_len=state.cum_len,
@@ -189,6 +202,7 @@ def _lineage_call(
         resumes=None if admission is None else _resumed(admission.continuation, present),
         resumed_by=resumed_by,
         writer_pid=None if admission is None else admission.writer_pid,
+        retired=retired,
     )
 
 
@@ -206,6 +220,7 @@ def lineage(reader: Reader, rollout_id: str) -> RolloutLineage | None:
         if call.state.continues_rollout_id is not None
     }
     present = keys | {bare}
+    retired = fenced_keys(reader, keys)
     return RolloutLineage(
         rollout_id=bare,
         attempts=tuple(dict.fromkeys(call.capture_key for call in calls)),
@@ -215,6 +230,7 @@ def lineage(reader: Reader, rollout_id: str) -> RolloutLineage | None:
                 found.get((call.capture_key, call.state.model_call_id)),
                 resumed_by.get((call.capture_key, call.state.model_call_id)),
                 present,
+                call.capture_key in retired,
             )
             for call in calls
         ),
