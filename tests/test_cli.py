@@ -96,6 +96,16 @@ def test_the_demo_cuts_kills_restores_and_verifies(demo: tuple[Path, dict[str, A
     assert continued[0]["resumes"]["checkpoint_id"] == "checkpoint-1"
     pids = {call["writer_pid"] for call in calls}
     assert len(pids) == 2 and None not in pids  # the dead worker and the fresh one
+    # The dead attempt is retired: its cut call shows as retired, not still staging, and a
+    # late write from it was tried and refused.
+    assert (summary["attempts_retired"], summary["late_writes_refused"]) == (3, 1)
+    cut = continued[0]["resumes"]["model_call_id"]
+    dead = [call for call in calls if call["capture_key"] == "run1-r0"]
+    assert {call["model_call_id"]: call["state"] for call in dead}[cut] == "retired"
+    assert all(call["retired"] for call in dead) and not any(call["retired"] for call in continued)
+    assert [call["state"] for call in dead if call["model_call_id"] != cut] == ["completed"] * (len(dead) - 1)
+    code, out, _ = run(capsys, "lineage", str(path), "run1-r0")
+    assert "retired: late writes refused" in out and " staging " not in out
 
 
 def test_a_second_demo_run_adds_to_the_store(copy: Path, capsys: Any) -> None:
@@ -162,7 +172,7 @@ def test_json_shapes(demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: 
     assert set(lineage["calls"][0]) == {
         "capture_key", "attempt", "model_call_id", "parent_call_id", "state", "mode", "prev_len", "cum_len",
         "generated_tokens", "admitted_version", "oldest_version", "newest_version", "version_spans",
-        "admitted_at", "writer_pid", "resumes", "resumed_by",
+        "admitted_at", "writer_pid", "resumes", "resumed_by", "retired",
     }  # fmt: skip
     keys = shape("keys", store, "--rollout", "run1-r0")["keys"]
     assert set(keys[0]) == {"staging_key", "rollout_id", "model_call_id", "event_seq", "kind", "digest"}
@@ -486,3 +496,199 @@ def test_errors_keep_the_driver_text_out() -> None:
     except Exception as exc:
         message = one_line(exc)
     assert message == "reading calls failed: DatabaseError (the database file is damaged)"
+
+
+# --- the write commands: retire, forget, delete, compact -------------------------------------------
+
+REMOVAL_SHAPE = {"command", "store", "requested", "batches", "removed", "absent"}
+
+
+def _late_write(store: str, rollout_id: str) -> None:
+    """A new record for ``rollout_id``: raises ``RolloutFencedError`` while it is retired."""
+    from factories import make_record
+
+    from store import open_store
+
+    with open_store(store) as opened:
+        assert opened.stage(make_record(rollout_id=rollout_id, model_call_id="late")).ok
+
+
+def test_retire_forget_delete_compact(copy: Path, tmp_path: Path, capsys: Any) -> None:
+    from store.errors import RolloutFencedError
+
+    store = str(copy)
+
+    def events() -> int:
+        code, out, _ = run(capsys, "replay", store, "--json")
+        assert code == 0
+        return int(json.loads(out)["events"])
+
+    fresh = "run1-r1-a1"  # the demo retired attempt 0 (run1-r1); the fresh attempt is live
+    code, out, _ = run(capsys, "retire", store, fresh, "never-staged", "--json")
+    retired = json.loads(out)
+    assert code == 0 and set(retired) == REMOVAL_SHAPE
+    assert (retired["removed"], retired["absent"], retired["requested"]) == ([fresh], ["never-staged"], 2)
+    for key in (fresh, "never-staged"):  # a fence guards a key that held nothing too
+        with pytest.raises(RolloutFencedError):
+            _late_write(store, key)
+    code, out, _ = run(capsys, "show", store, f"{fresh}/c2", "--json")
+    assert code == 0 and json.loads(out)["record"] is not None  # retired records stay readable
+    written = events()
+    code, out, _ = run(capsys, "retire", store, fresh, "--json")
+    assert code == 0 and json.loads(out)["removed"] == [fresh]
+    assert events() == written  # retiring again writes nothing
+    code, out, _ = run(capsys, "forget", store, fresh, "run1-r2-a1", "--json")
+    forgotten = json.loads(out)
+    assert code == 1 and set(forgotten) == REMOVAL_SHAPE  # run1-r2-a1 had no fence: exit 1, listed absent
+    assert (forgotten["removed"], forgotten["absent"]) == ([fresh], ["run1-r2-a1"])
+    _late_write(store, fresh)  # the fence is gone
+
+    listing = tmp_path / "done.txt"
+    listing.write_text("run1-r2\nrun1-r2-a1\n\n")
+    code, out, err = run(capsys, "delete", store, "--from-file", str(listing), "--json")
+    deleted = json.loads(out)
+    assert code == 0 and set(deleted) == REMOVAL_SHAPE, err
+    assert deleted["removed"] == ["run1-r2", "run1-r2-a1"] and deleted["absent"] == []
+    code, out, _ = run(capsys, "keys", store, "--rollout", "run1-r2", "--json")
+    assert json.loads(out)["keys"] == []
+    code, _, err = run(capsys, "lineage", store, "run1-r2")
+    assert code == 1
+    code, out, _ = run(capsys, "delete", store, "run1-r2")
+    assert code == 1 and "0 capture key(s) deleted, 1 absent" in out
+    code, out, _ = run(capsys, "compact", store, "--json")
+    compacted = json.loads(out)
+    assert code == 0 and set(compacted) == {"store", "backend", "bytes_before", "bytes_after", "reclaimed", "converted"}
+    assert compacted["backend"] == "sqlite" and compacted["bytes_after"] <= compacted["bytes_before"]
+    assert compacted["reclaimed"] == compacted["bytes_before"] - compacted["bytes_after"]
+    assert os.path.getsize(copy) + (os.path.getsize(f"{copy}-wal") if os.path.exists(f"{copy}-wal") else 0) == (
+        compacted["bytes_after"]
+    )
+    code, out, _ = run(capsys, "audit", store, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"], report["problems"]  # the tombstones explain the gap
+
+
+def test_write_commands_human_output(copy: Path, capsys: Any) -> None:
+    code, out, _ = run(capsys, "retire", str(copy), "run1-r0", "ghost")
+    assert code == 0 and "retire: 1 capture key(s) retired, 1 absent" in out and "ghost" in out
+    code, out, _ = run(capsys, "compact", str(copy))
+    assert code == 0 and "reclaimed" in out and str(copy) in out
+
+
+def test_keys_from_stdin_are_batched(copy: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More keys than the store takes in one call (4,096) are sent in batches; stdin is '-'."""
+    import io
+
+    keys = [f"ghost-{number}" for number in range(5000)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(keys) + "\n"))
+    code, out, _ = run(capsys, "retire", str(copy), "--from-file", "-", "--json")
+    shaped = json.loads(out)
+    assert code == 0 and shaped["batches"] == 2 and shaped["requested"] == 5000
+    assert shaped["absent"] == keys and shaped["removed"] == []
+    code, out, _ = run(capsys, "delete", str(copy), "run1-r0", *keys[:300], "--json")
+    shaped = json.loads(out)  # delete: batches of 256; fenced keys count as something to delete
+    assert code == 0 and shaped["batches"] == 2 and len(shaped["removed"]) == 301
+
+
+def test_the_store_of_a_write_command_may_come_from_the_environment(
+    copy: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAGING_STORE", str(copy))
+    code, out, _ = run(capsys, "retire", "run1-r0", "run1-r1", "--json")
+    shaped = json.loads(out)
+    assert code == 0 and shaped["store"] == str(copy) and shaped["removed"] == ["run1-r0", "run1-r1"]
+    code, out, _ = run(capsys, "forget", str(copy), "run1-r0", "--json")  # a path is still the store
+    assert code == 0 and json.loads(out)["removed"] == ["run1-r0"]
+
+
+def test_delete_draws_progress_on_a_terminal(copy: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from contextlib import contextmanager
+
+    from store.cli import output
+
+    calls: list[tuple[int, int]] = []
+
+    @contextmanager
+    def recording(label: str) -> Iterator[output.Progress]:
+        assert label == "deleting"
+        yield lambda done, total: calls.append((done, total))
+
+    monkeypatch.setattr(output, "progress_bar", recording)
+    code, _, _ = run(capsys, "delete", str(copy), "run1-r0", "run1-r1", "--json")
+    assert code == 0 and calls == [(0, 2), (2, 2)]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no-keys", "duplicate", "empty-key", "padded-key", "blank-line", "unreadable-file", "duplicate-across-file"],
+)
+def test_bad_keys_are_refused_and_nothing_is_written(case: str, copy: Path, tmp_path: Path, capsys: Any) -> None:
+    listing = tmp_path / "keys.txt"
+    listing.write_text({"blank-line": "run1-r0\n   \nrun1-r1\n", "duplicate-across-file": "run1-r1\n"}.get(case, ""))
+    args = {
+        "no-keys": [],
+        "duplicate": ["run1-r0", "run1-r0"],
+        "empty-key": ["run1-r0", ""],
+        "padded-key": [" run1-r0"],
+        "blank-line": ["--from-file", str(listing)],
+        "unreadable-file": ["--from-file", str(tmp_path / "no-such-list.txt")],
+        "duplicate-across-file": ["run1-r1", "--from-file", str(listing)],
+    }[case]
+    before = folder_state(copy.parent)
+    for command in ("retire", "forget", "delete"):
+        code, out, err = run(capsys, command, str(copy), *args)
+        assert code == 2 and out == "" and "Traceback" not in err, (command, err)
+        assert folder_state(copy.parent) == before, command
+    code, out, err = run(capsys, "retire", str(copy), *args, "--json")
+    assert code == 2 and out == ""
+    expected = {
+        "no-keys": "no capture keys given",
+        "duplicate": "more than once",
+        "empty-key": "empty",
+        "padded-key": "whitespace",
+        "blank-line": "only whitespace",
+        "unreadable-file": "cannot read capture keys",
+        "duplicate-across-file": "more than once",
+    }[case]
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("kind", ["missing", "text", "sqlite"])
+def test_write_commands_never_create_or_touch_what_is_not_a_store(
+    kind: str, demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any
+) -> None:
+    folder = tmp_path / "target"
+    folder.mkdir()
+    path = _target(kind, folder, demo[0])
+    before = folder_state(folder)
+    for args in (["retire", "k"], ["forget", "k"], ["delete", "k"], ["compact"]):
+        code, out, err = run(capsys, args[0], str(path), *args[1:])
+        assert code == 3 and out == "", (args, err)
+        assert_one_line_error(err)
+        assert folder_state(folder) == before, args
+    assert not path.exists() if kind == "missing" else path.exists()
+
+
+def test_write_commands_on_any_backend(store_url: str, capsys: Any) -> None:
+    from factories import make_record
+
+    from store import open_store
+    from store.errors import RolloutFencedError
+
+    with open_store(store_url) as made:
+        assert made.stage(make_record(rollout_id="r0", model_call_id="c0")).ok
+    code, out, _ = run(capsys, "retire", store_url, "r0", "--json")
+    assert code == 0 and json.loads(out)["removed"] == ["r0"]
+    with pytest.raises(RolloutFencedError):
+        _late_write(store_url, "r0")
+    code, out, _ = run(capsys, "delete", store_url, "r0", "--json")
+    assert code == 0 and json.loads(out)["removed"] == ["r0"]
+    code, out, _ = run(capsys, "compact", store_url, "--json")
+    assert code == 0 and json.loads(out)["backend"] == ("sqlite" if "://" not in store_url else "postgresql")
+    code, out, _ = run(capsys, "audit", store_url, "--json")
+    assert code == 0 and json.loads(out)["counts"]
+    if store_url.startswith("postgresql"):
+        missing = store_url.rsplit("/", 1)[0] + "/no_such_database_here"
+        code, _, err = run(capsys, "retire", missing, "r0")
+        assert code == 3 and "does not exist" in err
+        assert_one_line_error(err)
