@@ -142,6 +142,26 @@ def test_lineage_shows_the_tree_and_the_cut_a_continued_call_resumed(store: Stor
     assert store.lineage("nobody") is None
 
 
+def test_lineage_shows_the_unfinished_call_of_a_retired_attempt_as_retired(store: Store) -> None:
+    """After the restore the dead attempt is retired: its cut call can never finish, so the
+    tree says retired, not staging; finished calls keep their state; forget undoes it."""
+    two_call_rollout(store, "r0", interrupted=True, versions=(7, 9))
+    store.retire(["r0"])
+    tree = store.lineage("r0")
+    assert tree is not None
+    shape = [(c.capture_key, c.model_call_id, c.state, c.retired) for c in tree.calls]
+    assert shape == [
+        ("r0", "c0", "completed", True),
+        ("r0", "c1", "retired", True),
+        ("r0-a1", "c1", "completed", False),
+    ]
+    info = store.call("r0", "c1")
+    assert info is not None and info.state == "staging"  # the calls projection itself is unchanged
+    store.forget(["r0"])
+    tree = store.lineage("r0")
+    assert tree is not None and [(c.state, c.retired) for c in tree.calls][1] == ("staging", False)
+
+
 def test_lineage_refuses_a_non_text_rollout(store: Store) -> None:
     with pytest.raises(InvalidRecordError):
         store.lineage(None)  # type: ignore[arg-type]
