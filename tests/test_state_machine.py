@@ -598,6 +598,20 @@ class StoreMachine(RuleBasedStateMachine):
             if generated:  # every version so far is behind version + 1
                 assert (rollout_id, capture_key(rollout_id, attempt)) in stale
 
+    @precondition(lambda self: bool(self.fenced))
+    @rule()
+    def lineage_of_retired_attempts(self) -> None:
+        """A retired attempt's calls are marked retired; an unfinished one is never shown in flight."""
+        self.steps["lineage_of_retired_attempts"] += 1
+        for rollout_id, keys in sorted(self.attempt_keys.items()):
+            if not keys & self.fenced:
+                continue
+            lineage = self.store.lineage(rollout_id)
+            assert lineage is not None
+            for row in lineage.calls:
+                assert row.retired == (row.capture_key in self.fenced), row
+                assert not row.retired or row.state in ("completed", "failed", "retired"), row
+
     @rule()
     def read_only_view(self) -> None:
         """A read-only store beside the writer: the same keys and calls, and every write refused."""
