@@ -23,9 +23,13 @@ class EventKind(enum.StrEnum):
     CALL_FAILED = "call_failed"
     KEYS_CLEARED = "keys_cleared"
     CUT_RECEIPT = "cut_receipt"
+    WORKER_JOINED = "worker_joined"
+    WORKER_STOPPED = "worker_stopped"
+    WORKER_LOST = "worker_lost"
 
 
 RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED})
+WORKER_KINDS = frozenset({EventKind.WORKER_JOINED, EventKind.WORKER_STOPPED, EventKind.WORKER_LOST})
 
 # (start, end, version): delta positions [start, end) of the call's record were generated
 # by that policy version.  Carried prompt tokens belong to no span.
@@ -118,6 +122,20 @@ class CutReceiptBody(msgspec.Struct, kw_only=True):
     receipt: bytes  # the GenerationCutReceipt as JSON, byte for byte
 
 
+class WorkerBody(msgspec.Struct, kw_only=True):
+    """A policy worker process joined, stopped or was lost (logged by the checkpoint coordinator).
+
+    ``joined_seq`` is its join event; ``checkpoint_id`` the open checkpoint its leaving blocked.
+    """
+
+    pid: int
+    index: int
+    expected: int
+    connected: int
+    joined_seq: int | None = None
+    checkpoint_id: str | None = None
+
+
 BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.CALL_ADMITTED: AdmissionBody,
     EventKind.PREFIX_STAGED: RecordBody,
@@ -126,6 +144,9 @@ BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.CALL_FAILED: FailureBody,
     EventKind.KEYS_CLEARED: KeysClearedBody,
     EventKind.CUT_RECEIPT: CutReceiptBody,
+    EventKind.WORKER_JOINED: WorkerBody,
+    EventKind.WORKER_STOPPED: WorkerBody,
+    EventKind.WORKER_LOST: WorkerBody,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

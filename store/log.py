@@ -31,10 +31,13 @@ from store.projections import (
     CallState,
     Event,
     KeyState,
+    WorkerState,
     affects_call,
     fold_call,
     fold_keys,
     fold_receipt,
+    fold_worker,
+    worker_key,
 )
 
 T = TypeVar("T")
@@ -106,6 +109,10 @@ class _Statements:
         self.insert_receipt = Statement(
             sa.insert(receipts).values({c: sa.bindparam(c.name) for c in receipts.c}), engine
         )
+        workers = schema.workers
+        self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
+        self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
+        self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
 
 
 class WriteTransaction:
@@ -196,6 +203,16 @@ class WriteTransaction:
                 self._sql.insert_receipt,
                 {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
             )
+        worker = worker_key(event)
+        if worker is not None:
+            self._project_worker(worker, event)
+
+    def _project_worker(self, key: int, event: Event) -> None:
+        """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""
+        row = self._execute(self._sql.select_worker, {"key": key}).fetchone()
+        current = None if row is None else WorkerState(*row)
+        self._execute(self._sql.delete_worker, {"key": key})
+        self._execute(self._sql.insert_worker, fold_worker(current, event).to_row())
 
     def savepoint(self, name: str) -> None:
         self._cursor.execute(f"SAVEPOINT {name}")

@@ -15,7 +15,18 @@ from store import schema
 from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError
 from store.integrity import undecodable_text, verified_event
-from store.projections import CallState, Event, KeyState, affects_call, fold_call, fold_keys, fold_receipt
+from store.projections import (
+    CallState,
+    Event,
+    KeyState,
+    WorkerState,
+    affects_call,
+    fold_call,
+    fold_keys,
+    fold_receipt,
+    fold_worker,
+    worker_key,
+)
 
 _MAX_DIFFERENCES = 50
 
@@ -185,14 +196,19 @@ def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None
     calls: dict[tuple[str, str], CallState] = {}
     keys: dict[str, KeyState] = {}
     receipts: dict[tuple[str, str], int] = {}
+    workers: dict[int, WorkerState] = {}
     count = 0
     for event in verified_events(connection, skipped):
         count += 1
         fold_event(event, calls, keys, receipts)
+        worker = worker_key(event)
+        if worker is not None:
+            workers[worker] = fold_worker(workers.get(worker), event)
     return count + len(skipped), {
         "calls": {stream: state.to_row() for stream, state in calls.items()},
         "staged_keys": {(key,): key_row(key, state) for key, state in keys.items()},
         "cut_receipts": {ident: receipt_row(ident, seq) for ident, seq in receipts.items()},
+        "workers": {(key,): state.to_row() for key, state in workers.items()},
     }
 
 
@@ -227,6 +243,7 @@ _PRIMARY_KEYS = {
     "calls": ("rollout_id", "model_call_id"),
     "staged_keys": ("staging_key",),
     "cut_receipts": ("checkpoint_id", "inventory_digest"),
+    "workers": ("join_seq",),
 }
 
 
