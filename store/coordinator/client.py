@@ -74,6 +74,7 @@ class WorkerClient:
         try:
             sock.settimeout(message_timeout)
             sock.connect(path)
+            sock.settimeout(None)  # from here on deadlines are kept with select (framing)
         except OSError as exc:
             sock.close()
             raise CoordinatorUnavailableError(f"cannot reach the checkpoint coordinator at {path!r}: {exc}") from exc
@@ -247,6 +248,7 @@ class WorkerClient:
                     continue
                 self.retired.add(key)
                 self.restored_pending.discard(key)
+                self.restored_targets = {t for t in self.restored_targets if not t.startswith(f"{key}/")}
                 if kind == "retire":  # stop and free the attempt's work on this worker
                     gone = [call for call in self._calls if call[0] == key]
                     for call in gone:

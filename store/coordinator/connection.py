@@ -96,8 +96,7 @@ class Peer:
         frame = framing.encode(message)
         try:
             with self._send_lock:
-                self.sock.settimeout(self.message_timeout)
-                self.sock.sendall(frame)
+                framing.send_all(self.sock, frame, self.message_timeout)
         except OSError as exc:
             self.close()
             raise CoordinatorUnavailableError(f"a message to the {self.name} could not be sent: {exc}") from exc

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import select
 import socket
 import struct
 import time
@@ -75,8 +76,29 @@ def read_frame(sock: socket.socket, *, body_timeout: float, idle_timeout: float 
 
 
 def _recv_some(sock: socket.socket, size: int, timeout: float | None) -> bytes:
-    sock.settimeout(timeout)
+    """Up to ``size`` bytes.  The socket stays blocking with no timeout of its own: a reader
+    and a sender share it from different threads, so deadlines are kept with ``select``."""
+    readable, _, _ = select.select([sock], [], [], timeout)
+    if not readable:
+        raise TimeoutError
     return sock.recv(size)
+
+
+def send_all(sock: socket.socket, data: bytes, timeout: float) -> None:
+    """Send every byte within ``timeout`` seconds (``TimeoutError`` otherwise), never blocking
+    past it even when the peer stops reading."""
+    deadline = time.monotonic() + timeout
+    view = memoryview(data)
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer did not take the frame in time")
+        _, writable, _ = select.select([], [sock], [], left)
+        if writable:
+            try:
+                view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+            except BlockingIOError:
+                continue
 
 
 def _recv_exactly(sock: socket.socket, size: int, deadline: float, part: str) -> bytes:

@@ -134,6 +134,7 @@ class Coordinator:
                 "lost_worker": state.lost_worker,
                 "retired": sorted(state.retired),
                 "restored_pending": sorted(state.pending),
+                "restored": {target: list(rows) for target, rows in sorted(state.restored_rows.items())},
             }
 
     def wait_for_workers(self, count: int, timeout: float = 10.0) -> bool:
@@ -299,7 +300,7 @@ class Coordinator:
         key, model_call_id = _call_of(body)
         with self._lock:
             continuation, started = self._state.claim(index, key, model_call_id)
-            update = {"pending": sorted(self._state.pending)}
+            update = self._restored_update()
         if started:  # no longer pending on any worker, before the claimer goes on
             self._broadcast("restored_pending", update, exclude=index)
         return {"continuation": continuation}
@@ -308,7 +309,18 @@ class Coordinator:
         key, model_call_id = _call_of(body)
         with self._lock:
             returned = self._state.return_cut(index, key, model_call_id)
+            update = self._restored_update()
+        if returned:  # offered again to every worker
+            self._broadcast("restored_pending", update, exclude=index)
         return {"returned": returned}
+
+    def _restored_update(self) -> dict[str, Any]:
+        """The restored attempts still pending and the cuts still unclaimed (called holding the lock)."""
+        state = self._state
+        return {
+            "pending": sorted(state.pending),
+            "targets": sorted(target for target, cut in state.cuts.items() if cut.claimed_by is None),
+        }
 
     def _control(self, index: int, body: Any) -> Any:
         if not isinstance(body, dict) or not isinstance(body.get("action"), str):
@@ -393,13 +405,10 @@ class Coordinator:
         served = sum(r.get("served", 0) for r in replies.values() if isinstance(r, dict))
         with self._lock:
             result = self._state.restore(records, served)
-            update = {
-                "retired": sorted(self._state.retired),
-                "pending": sorted(self._state.pending),
-                "targets": sorted(t for t, c in self._state.cuts.items() if c.claimed_by is None),
-            }
-        self._broadcast("mark", {"capture_keys": update["retired"]})
-        self._broadcast("restored_pending", {"pending": update["pending"], "targets": update["targets"]})
+            retired = sorted(self._state.retired)
+            update = self._restored_update()
+        self._broadcast("mark", {"capture_keys": retired})
+        self._broadcast("restored_pending", update)
         return result
 
     def _control_prepare(self, body: dict[str, Any]) -> Any:
