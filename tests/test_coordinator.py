@@ -131,7 +131,7 @@ def test_prepare_closes_every_worker_and_waits_for_all_of_them(socket_path: str)
 
 
 def test_commit_leaves_out_undelivered_calls_on_every_worker(two: tuple[Coordinator, list[WorkerProcess]]) -> None:
-    coord, (a, b) = two
+    _coord, (a, b) = two
     for worker, delivered, held in ((a, "c1", "c2"), (b, "c3", "c4")):
         for call in (delivered, held):
             worker.ok("begin", capture_key="r", model_call_id=call, staging_key=f"r/{call}")
@@ -145,7 +145,7 @@ def test_commit_leaves_out_undelivered_calls_on_every_worker(two: tuple[Coordina
 def test_a_restored_cut_is_claimed_by_exactly_one_worker_and_returned_if_unclaimed(
     two: tuple[Coordinator, list[WorkerProcess]],
 ) -> None:
-    coord, (a, b) = two
+    _coord, (a, b) = two
     a.ok("control", action="restore", records=[restore_record({"digest": "d1"})])
     claims = [w.ok("begin", capture_key="r-a1", model_call_id="c1")["continuation"] for w in (a, b)]
     assert claims == [{"digest": "d1"}, None]
@@ -186,7 +186,7 @@ def test_a_worker_that_joins_during_a_checkpoint_closes_at_once(socket_path: str
 def test_a_retired_attempt_is_refused_on_every_worker_and_one_that_joins_later_until_forget(
     two: tuple[Coordinator, list[WorkerProcess]], socket_path: str
 ) -> None:
-    coord, (a, b) = two
+    _coord, (a, b) = two
     a.ok("begin", capture_key="r-a2", model_call_id="c1")
     assert a.ok("control", action="retire", rollout_id="r", attempt=2) == {"retired": "r-a2", "stopped": 1}
     with workers(socket_path, 1) as (late,):
@@ -200,7 +200,7 @@ def test_a_retired_attempt_is_refused_on_every_worker_and_one_that_joins_later_u
 
 
 def test_worker_control_routes_forward_to_the_coordinator(two: tuple[Coordinator, list[WorkerProcess]]) -> None:
-    coord, (a, b) = two
+    _coord, (a, b) = two
     status = b.ok("control", action="status")
     assert sorted(int(pid) for pid in status["workers"]) == sorted([a.pid, b.pid])
     assert (status["connected"], status["expected"], status["accepting"]) == (2, 2, True)
@@ -241,7 +241,7 @@ def test_restore_refuses_workers_that_have_served_calls(two: tuple[Coordinator, 
 
 
 def test_worker_messages_carry_what_the_checkpoint_writer_carries(two: tuple[Coordinator, list[WorkerProcess]]) -> None:
-    coord, (a, b) = two
+    _coord, (a, b) = two
     carried = {"low": -math.inf, "high": math.inf, "nan": math.nan, "big": 2**70, "neg": -(2**70)}
     a.ok("control", action="restore", records=[restore_record(carried)])
     received = b.ok("begin", capture_key="r-a1", model_call_id="c1")["continuation"]
@@ -270,7 +270,7 @@ def test_a_message_that_cannot_be_sent_or_is_never_answered_is_a_typed_unavailab
 
 
 def test_restore_is_refused_after_a_worker_left_even_if_its_replacement_is_fresh(socket_path: str) -> None:
-    with coordinator(socket_path, 2) as coord, workers(socket_path, 2) as (a, b):
+    with coordinator(socket_path, 2) as coord, workers(socket_path, 2) as (_a, b):
         b.kill()
         assert wait_for(lambda: coord.status()["connected"] == 1)
         with workers(socket_path, 1) as (fresh,):
