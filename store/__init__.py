@@ -9,6 +9,16 @@ from store.active_call import ActiveCall, Continuation
 from store.audit import AuditProblem, AuditReport
 from store.capture import CaptureAdapter, RolloutTokenCapture
 from store.columns import FloatColumn, TokenIds
+from store.coordinator import (
+    CheckpointStateError,
+    Coordinator,
+    CoordinatorError,
+    CoordinatorUnavailableError,
+    FrameError,
+    WorkerCall,
+    WorkerClient,
+)
+from store.coordinator.history import PolicyWorker
 from store.cut_records import (
     GenerationCutInventory,
     GenerationCutPrefix,
@@ -211,4 +221,12 @@ __all__ = [
     "verify_and_linearize",
     "verify_and_linearize_all",
     "with_routed_experts",
+    "CheckpointStateError",
+    "Coordinator",
+    "CoordinatorError",
+    "CoordinatorUnavailableError",
+    "FrameError",
+    "PolicyWorker",
+    "WorkerCall",
+    "WorkerClient",
 ]
