@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_cuts.py
 	$(PY) tools/bench_audit.py
 	$(PY) tools/bench_linearize.py
+	$(PY) tools/bench_coordinator.py
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info
