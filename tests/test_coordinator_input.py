@@ -18,6 +18,7 @@ import pytest
 from coordinator_helpers import wait_for, workers
 
 from store.coordinator import MAX_FRAME, Coordinator, CoordinatorError, FrameError, WorkerClient, framing
+from store.coordinator.connection import Peer
 
 
 @pytest.fixture
@@ -177,3 +178,31 @@ def _connect_as(uid: int, socket_path: str) -> int:
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def test_a_failing_handler_is_a_500_and_an_unframable_reply_a_422() -> None:
+    def handler(peer: Peer, kind: str, body: object) -> object:
+        if kind == "boom":
+            raise RuntimeError("handler bug")
+        return {"value": object()}  # not JSON
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    peers = [
+        Peer(sock, handler, on_close=lambda _: None, message_timeout=2, name=name)
+        for sock, name in ((ours, "caller"), (theirs, "handler"))
+    ]
+    for peer in peers:
+        peer.start()
+    try:
+        with pytest.raises(CoordinatorError) as crashed:
+            peers[0].request("boom", None)
+        assert (crashed.value.status, crashed.value.code) == (500, "checkpoint_error")
+        assert "handler bug" in str(crashed.value)
+        with pytest.raises(CoordinatorError) as unframable:
+            peers[0].request("anything", None)
+        assert (unframable.value.status, unframable.value.code) == (422, "invalid_checkpoint_state")
+        with pytest.raises(CoordinatorError, match="handler bug"):  # the connection still works
+            peers[0].request("boom", None)
+    finally:
+        for peer in peers:
+            peer.close()

@@ -150,7 +150,9 @@ class WorkerClient:
         The answer may take the call's own ``deadline`` plus a grace period; a coordinator that
         is not connected, or never answers, raises ``CoordinatorUnavailableError`` (503).
         """
-        timeout = self.message_timeout if deadline is None else deadline + CONTROL_GRACE
+        if deadline is None and isinstance(body.get("timeout"), (int, float)):
+            deadline = float(body["timeout"])  # prepare's own deadline
+        timeout = self.message_timeout if deadline is None else max(self.message_timeout, deadline + CONTROL_GRACE)
         return self._request("control", {"action": action, **body}, timeout=timeout)
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:

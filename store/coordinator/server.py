@@ -339,7 +339,10 @@ class Coordinator:
         with self._lock:
             self._state.prepare(checkpoint_id)
             generation = self._state.generation
-        replies = self._broadcast("close", {"checkpoint_id": checkpoint_id, "generation": generation})
+        # A worker that does not answer by the deadline stays unreported: it blocks, it never hangs prepare.
+        replies = self._broadcast(
+            "close", {"checkpoint_id": checkpoint_id, "generation": generation}, timeout=max(0.001, timeout)
+        )
         with self._lock:
             for index, reply in replies.items():
                 if not isinstance(reply, CoordinatorError) and index in self._state.workers:
@@ -362,7 +365,7 @@ class Coordinator:
         """The checkpoint's rows from every worker, leaving out calls still undelivered anywhere."""
         checkpoint_id = _text("checkpoint_id", checkpoint_id)
         with self._lock:
-            self._state._require_ready(checkpoint_id)
+            self._state.require_ready(checkpoint_id)
         replies = self._broadcast("snapshot", {"checkpoint_id": checkpoint_id})
         failed = [index for index, reply in replies.items() if isinstance(reply, CoordinatorError)]
         with self._lock:
@@ -419,7 +422,9 @@ class Coordinator:
 
     # --- talking to every worker ----------------------------------------------------------------
 
-    def _broadcast(self, kind: str, body: Any, *, exclude: int | None = None) -> dict[int, Any]:
+    def _broadcast(
+        self, kind: str, body: Any, *, exclude: int | None = None, timeout: float | None = None
+    ) -> dict[int, Any]:
         """Send ``kind`` to every registered worker at once; each reply, or the error it got."""
         with self._lock:
             targets = [(index, peer) for index, peer in self._by_index.items() if index != exclude]
@@ -427,7 +432,7 @@ class Coordinator:
 
         def ask(index: int, peer: Peer) -> None:
             try:
-                replies[index] = peer.request(kind, body)
+                replies[index] = peer.request(kind, body, timeout=timeout)
             except CoordinatorError as exc:
                 replies[index] = exc
 

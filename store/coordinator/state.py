@@ -133,7 +133,7 @@ class CheckpointState:
     def commit(self, checkpoint_id: str, snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         """The committed rows: delivered rows of every worker, without calls still undelivered
         on any worker, plus restored cuts no worker consumed."""
-        self._require_ready(checkpoint_id)
+        self.require_ready(checkpoint_id)
         undelivered = {(call[0], call[1]) for snap in snapshots for call in snap["undelivered"]}
         rows = {
             (row["capture_key"], row["model_call_id"]): row
@@ -150,7 +150,7 @@ class CheckpointState:
         keys = {row["staging_key"] for row in ordered if row.get("staging_key")}
         return {"checkpoint_id": checkpoint_id, "rows": ordered, "generation_cuts": cuts, "staging_keys": sorted(keys)}
 
-    def _require_ready(self, checkpoint_id: str) -> None:
+    def require_ready(self, checkpoint_id: str) -> None:
         if self.checkpoint != checkpoint_id:
             raise CheckpointStateError(f"checkpoint {checkpoint_id!r} is not open (open: {self.checkpoint!r})")
         blockers = self.blockers()
