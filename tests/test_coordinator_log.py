@@ -39,6 +39,9 @@ def test_workers_projection_shows_who_staged_what_and_what_a_lost_worker_left_in
     assert (lost.blocked_checkpoint, lost.expected) == ("ck-1", 2)
     assert (stopped.state, stopped.staged_calls, stopped.in_flight_calls) == ("stopped", (("r", "c3"),), ())
     assert stopped.blocked_checkpoint == "ck-1"  # left while admission was closed: 8.2's lost_worker
+    tree = store.lineage("r")  # the lineage names the worker that admitted each call
+    assert tree is not None
+    assert {call.model_call_id: call.worker_pid for call in tree.calls} == {"c1": None, "c2": a.pid, "c3": b.pid}
     kinds = [event.kind for event in _worker_events(store)]
     assert sorted(kinds) == sorted(
         [EventKind.WORKER_JOINED, EventKind.WORKER_JOINED, EventKind.WORKER_STOPPED, EventKind.WORKER_LOST]

@@ -62,6 +62,7 @@ class LineageCall:
     admitted_at: float | None
     resumes: ResumedCut | None
     resumed_by: str | None  # the capture key of the attempt that continued this call, if any
+    worker_pid: int | None = None  # the process (policy worker) that admitted it, per the log's writer pid
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Admission:
 
     admitted_at: float
     continuation: GenerationCutContinuation | None
+    writer_pid: int | None = None
 
 
 _FAMILY_ADMISSIONS = (  # built once (see bound_family_clause)
@@ -125,7 +127,7 @@ def admissions(reader: Reader, rollout_id: str, keys: set[str]) -> dict[tuple[st
             if not isinstance(body, AdmissionBody):
                 raise CorruptRecordError(f"{describe(row._mapping)} is not an admission")
             found[(event.rollout_id, event.model_call_id)] = Admission(
-                float(row.recorded_at), _continuation(body, row._mapping)
+                float(row.recorded_at), _continuation(body, row._mapping), int(row.writer_pid)
             )
     return found
 
@@ -186,6 +188,7 @@ def _lineage_call(
         admitted_at=None if admission is None else admission.admitted_at,
         resumes=None if admission is None else _resumed(admission.continuation, present),
         resumed_by=resumed_by,
+        worker_pid=None if admission is None else admission.writer_pid,
     )
 
 
