@@ -110,10 +110,11 @@ class Peer:
 
     def _read_loop(self) -> None:
         idle: float | None = self._first_frame_timeout
+        reader = framing.FrameReader(self.sock)
         try:
             while True:
                 try:
-                    message = framing.read_frame(self.sock, body_timeout=self.message_timeout, idle_timeout=idle)
+                    message = reader.read(body_timeout=self.message_timeout, idle_timeout=idle)
                 except framing.PeerClosed:
                     return
                 except FrameError as exc:

@@ -75,6 +75,54 @@ def read_frame(sock: socket.socket, *, body_timeout: float, idle_timeout: float 
     return decode(_recv_exactly(sock, length, deadline, "body"))
 
 
+class FrameReader:
+    """``read_frame`` for a connection's one reader thread, buffered: one ``recv`` usually
+    brings a whole frame (or several), instead of a header and a body read apart."""
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    def read(self, *, body_timeout: float, idle_timeout: float | None = None) -> Any:
+        """As ``read_frame``: the next frame's document, ``PeerClosed`` or ``FrameError``."""
+        if not self._buffer:
+            try:
+                first = self._sock.recv(self._CHUNK) if idle_timeout is None else self._recv(idle_timeout)
+            except TimeoutError as exc:
+                raise _lost(f"the peer sent nothing for {idle_timeout} s", 408) from exc
+            if not first:
+                raise PeerClosed
+            self._buffer += first
+        deadline = time.monotonic() + body_timeout
+        self._fill(_HEADER.size, deadline, "header")
+        (length,) = _HEADER.unpack_from(self._buffer)
+        if length > MAX_FRAME:
+            raise _lost(f"a frame of {length} bytes is over the {MAX_FRAME}-byte limit", 413)
+        end = _HEADER.size + length
+        self._fill(end, deadline, "body")
+        payload = bytes(self._buffer[_HEADER.size : end])
+        del self._buffer[:end]
+        return decode(payload)
+
+    def _recv(self, timeout: float) -> bytes:
+        return _recv_some(self._sock, self._CHUNK, timeout)
+
+    def _fill(self, size: int, deadline: float, part: str) -> None:
+        while len(self._buffer) < size:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                chunk = _recv_some(self._sock, max(self._CHUNK, size - len(self._buffer)), left)
+            except TimeoutError as exc:
+                raise _lost(f"the frame {part} did not arrive in time (truncated frame)", 408) from exc
+            if not chunk:
+                raise _lost(f"the connection closed inside a frame {part} (truncated frame)", 400)
+            self._buffer += chunk
+
+
 def _recv_some(sock: socket.socket, size: int, timeout: float | None) -> bytes:
     """Up to ``size`` bytes.  The socket stays blocking with no timeout of its own: a reader
     and a sender share it from different threads, so deadlines are kept with ``select``."""
@@ -90,15 +138,15 @@ def send_all(sock: socket.socket, data: bytes, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     view = memoryview(data)
     while view:
+        try:  # most frames fit the socket buffer at once: wait only when it is full
+            view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+            continue
+        except BlockingIOError:
+            pass
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the peer did not take the frame in time")
-        _, writable, _ = select.select([], [sock], [], left)
-        if writable:
-            try:
-                view = view[sock.send(view, socket.MSG_DONTWAIT) :]
-            except BlockingIOError:
-                continue
+        select.select([], [sock], [], left)
 
 
 def _recv_exactly(sock: socket.socket, size: int, deadline: float, part: str) -> bytes:
