@@ -7,7 +7,6 @@ joins, stops or is lost (8.3), and drives the checkpoint phases across all of th
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import secrets
 import socket
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from store.coordinator import worker_log
 from store.coordinator.connection import Peer
 from store.coordinator.errors import CheckpointStateError, CoordinatorError, FrameError
 from store.coordinator.state import CheckpointState, Worker, check_report
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 SOCKET_ENV = "NEMO_GYM_POLICY_CHECKPOINT_SOCKET"
 MESSAGE_TIMEOUT = 30.0
 CONTROL_GRACE = 10.0
-_LOG = logging.getLogger("store.coordinator")
 _THREADED = ("control", "claim_cut", "return_cut")
 
 
@@ -196,56 +195,11 @@ class Coordinator:
         self._log_leave(worker, said_goodbye, remaining, checkpoint if blocked else None)
 
     def _log_leave(self, worker: Worker, said_goodbye: bool, remaining: int, blocked: str | None) -> None:
-        fields = {
-            "worker_pid": worker.pid,
-            "worker_index": worker.index,
-            "connected": remaining,
-            "expected": self.expected,
-            "blocked_checkpoint": blocked,
-        }
-        if said_goodbye:
-            consequence = "" if blocked is None else f"; checkpoint {blocked!r} cannot commit until resume"
-            _LOG.info(
-                "Policy worker [%d] stopped (%d/%d connected)%s",
-                worker.pid,
-                remaining,
-                self.expected,
-                consequence,
-                extra=fields,
-            )
-        else:
-            consequence = (
-                f"open checkpoint {blocked!r} can no longer commit until resume"
-                if blocked is not None
-                else "no open checkpoint is affected"
-            )
-            _LOG.warning(
-                "Policy worker [%d] lost without notice (%d/%d workers remain); %s",
-                worker.pid,
-                remaining,
-                self.expected,
-                consequence,
-                extra=fields,
-            )
-        self._record("worker_stopped" if said_goodbye else "worker_lost", worker, remaining, blocked)
-
-    def _record(self, kind: str, worker: Worker, connected: int, checkpoint: str | None) -> int | None:
-        """Append a worker event to the store's log; a failing store never stops the coordinator."""
-        if self._store is None:
-            return None
-        try:
-            return self._store.record_worker(
-                kind,
-                worker.pid,
-                index=worker.index,
-                joined_seq=worker.joined_seq,
-                connected=connected,
-                expected=self.expected,
-                checkpoint_id=checkpoint,
-            )
-        except Exception:
-            _LOG.exception("could not log %s of policy worker [%d] in the store", kind, worker.pid)
-            return None
+        worker_log.log_leave(
+            worker, said_goodbye=said_goodbye, remaining=remaining, expected=self.expected, blocked=blocked
+        )
+        kind = "worker_stopped" if said_goodbye else "worker_lost"
+        worker_log.record(self._store, kind, worker, connected=remaining, expected=self.expected, checkpoint=blocked)
 
     # --- messages from workers ------------------------------------------------------------------
 
@@ -274,15 +228,10 @@ class Coordinator:
             connected = len(self._state.workers)
             adoption = self._state.adoption()
             self._changed.notify_all()
-        _LOG.info(
-            "Policy worker [%d] joined as worker %d (%d/%d connected)",
-            pid,
-            worker.index,
-            connected,
-            self.expected,
-            extra={"worker_pid": pid, "worker_index": worker.index, "connected": connected, "expected": self.expected},
+        worker_log.log_join(worker, connected, self.expected)
+        worker.joined_seq = worker_log.record(
+            self._store, "worker_joined", worker, connected=connected, expected=self.expected, checkpoint=None
         )
-        worker.joined_seq = self._record("worker_joined", worker, connected, None)
         return {"index": worker.index, **adoption}
 
     def _report(self, index: int, body: Any) -> Any:
