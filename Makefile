@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_audit.py
 	$(PY) tools/bench_linearize.py
 	$(PY) tools/bench_retention.py
+	$(PY) tools/bench_coordinator.py
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

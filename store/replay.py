@@ -20,11 +20,14 @@ from store.projections import (
     Event,
     KeyState,
     RolloutState,
+    WorkerState,
     affects_call,
     fold_call,
     fold_keys,
     fold_receipt,
     fold_rollout,
+    fold_worker,
+    worker_key,
 )
 
 _MAX_DIFFERENCES = 50
@@ -196,16 +199,21 @@ def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None
     keys: dict[str, KeyState] = {}
     receipts: dict[tuple[str, str], int] = {}
     rollouts: dict[str, RolloutState] = {}
+    workers: dict[int, WorkerState] = {}
     count = 0
     for event in verified_events(connection, skipped):
         count += 1
         fold_event(event, calls, keys, receipts)
         fold_rollout_event(event, rollouts)
+        worker = worker_key(event)
+        if worker is not None:
+            workers[worker] = fold_worker(workers.get(worker), event)
     return count + len(skipped), {
         "calls": {stream: state.to_row() for stream, state in calls.items()},
         "staged_keys": {(key,): key_row(key, state) for key, state in keys.items()},
         "cut_receipts": {ident: receipt_row(ident, seq) for ident, seq in receipts.items()},
         "rollouts": {(key,): state.to_row() for key, state in rollouts.items()},
+        "workers": {(key,): state.to_row() for key, state in workers.items()},
     }
 
 
@@ -248,6 +256,7 @@ _PRIMARY_KEYS = {
     "staged_keys": ("staging_key",),
     "cut_receipts": ("checkpoint_id", "inventory_digest"),
     "rollouts": ("rollout_id",),
+    "workers": ("join_seq",),
 }
 
 

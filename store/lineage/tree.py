@@ -62,7 +62,7 @@ class LineageCall:
     admitted_at: float | None
     resumes: ResumedCut | None
     resumed_by: str | None  # the capture key of the attempt that continued this call, if any
-    writer_pid: int | None = None  # the process (worker) that admitted the call, from its admission event
+    worker_pid: int | None = None  # the process (policy worker) that admitted it, per the log's writer pid
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def _lineage_call(
         admitted_at=None if admission is None else admission.admitted_at,
         resumes=None if admission is None else _resumed(admission.continuation, present),
         resumed_by=resumed_by,
-        writer_pid=None if admission is None else admission.writer_pid,
+        worker_pid=None if admission is None else admission.writer_pid,
     )
 
 
