@@ -8,6 +8,7 @@ are reported as ``CorruptRecordError`` naming the event, never as a raw decoding
 
 from __future__ import annotations
 
+import operator
 import sqlite3
 from collections.abc import Mapping
 from typing import Any
@@ -47,7 +48,7 @@ def verified_event(values: Mapping[Any, Any]) -> Event:
     if not intact:
         raise CorruptRecordError(f"{describe(values)} failed its xxh3 checksum: the stored bytes are damaged")
     try:
-        kind = EventKind(values["kind"])
+        kind = _KINDS.get(values["kind"]) or EventKind(values["kind"])
         body = decode_body(kind, bytes(values["body"]))
     except DECODE_ERRORS as exc:
         raise CorruptRecordError(f"{describe(values)} cannot be decoded: {type(exc).__name__}: {exc}") from exc
@@ -66,10 +67,14 @@ def verified_event(values: Mapping[Any, Any]) -> Event:
     return event
 
 
+_KINDS = {kind.value: kind for kind in EventKind}  # a dict lookup: the Enum call is slower, per event
+_token_columns = operator.itemgetter("token_ids", "token_mask", "log_probs")
+
+
 def _inconsistency(event: Event, values: Mapping[Any, Any]) -> str | None:
     """What contradicts itself in an event that passed its checksum (a writer bug or a forgery)."""
     body = event.body
-    has_columns = [values[name] is not None for name in ("token_ids", "token_mask", "log_probs")]
+    has_columns = [value is not None for value in _token_columns(values)]
     if event.kind in RECORD_KINDS:
         assert isinstance(body, RecordBody)
         if not isinstance(event.staging_key, str) or not event.staging_key:
