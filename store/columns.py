@@ -220,6 +220,15 @@ class FloatColumn(Sequence[float]):
             self._carry = carry if bool((bits[carry:] == _ONE_BITS).all()) else None
         return self._carry
 
+    def stored_carry(self) -> int | None:
+        """``carry_count`` of a column read back from storage (binary32 patterns only), else None.
+
+        Such a column is judged on its patterns alone, so when it is k times +0.0 then only
+        +1.0 the flags of ``zero_one_flags`` are exactly "the first k" and "the rest".
+        A column built from float64 values is judged on those values: always None here.
+        """
+        return None if self._values is not None else self.carry_count()
+
     def zero_one_flags(self) -> tuple[np.ndarray, np.ndarray]:
         """Per position: equal to 0.0 (either sign), equal to 1.0.
 
@@ -231,7 +240,7 @@ class FloatColumn(Sequence[float]):
         bits = self._f32.view(np.uint32)
         return (bits & _ABS_BITS) == 0, bits == _ONE_BITS
 
-    def any_nonzero(self, where: np.ndarray) -> bool:
+    def any_nonzero(self, where: np.ndarray | slice) -> bool:
         """Whether any selected position differs from 0.0 (-0.0 counts as 0.0)."""
         if self._values is not None:
             return bool((self._values[where] != 0.0).any())

@@ -260,7 +260,7 @@ def live_tables(connection: sa.Connection) -> RowTables:
     for table in schema.PROJECTION_TABLES:
         names = _column_names(table)
         indices = [names.index(name) for name in _PRIMARY_KEYS[table.name]]
-        rows = _table_rows(connection, table)
+        rows = table_rows(connection, table)
         if connection.dialect.name != "sqlite":  # PostgreSQL's driver may hand bytea back as a memoryview
             rows = (tuple(bytes(v) if isinstance(v, memoryview) else v for v in row) for row in rows)
         if len(indices) == 1:
@@ -272,7 +272,7 @@ def live_tables(connection: sa.Connection) -> RowTables:
     return tables
 
 
-def _table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[tuple[Any, ...]]:
+def table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[tuple[Any, ...]]:
     """Every row of ``table`` as a tuple in column order (SQLite: on the raw driver cursor)."""
     if connection.dialect.name != "sqlite":
         yield from (tuple(row) for row in connection.execute(sa.select(*table.c)))
