@@ -86,7 +86,13 @@ class CallState:
         return max((s[2] for s in self.spans), default=None)
 
     def to_row(self) -> dict[str, Any]:
-        oldest, newest = self.oldest_version, self.newest_version
+        spans = self.spans
+        if spans:
+            versions = [span[2] for span in spans]
+            oldest: int | None = min(versions)
+            newest: int | None = max(versions)
+        else:
+            oldest = newest = None
         return {
             "rollout_id": self.rollout_id,
             "model_call_id": self.model_call_id,
@@ -231,13 +237,24 @@ def _moved_rollout(base: RolloutState, **changes: Any) -> RolloutState:
 
 def _moved(base: CallState, **changes: Any) -> CallState:
     """``dataclasses.replace`` without its per-field bookkeeping: the folds run once per event
-    on the write path and on every pass over the log."""
-    return CallState(**{**base.__dict__, **changes})
+    on the write path and on every pass over the log.  The copy fills the new instance's
+    ``__dict__`` directly: a frozen dataclass's ``__init__`` sets each of its sixteen fields
+    through ``object.__setattr__``, which was most of a fold (CallState has no
+    ``__post_init__`` and no slots, so the result is the same object)."""
+    moved = _new_object(CallState)
+    fields = moved.__dict__
+    fields.update(base.__dict__)
+    fields.update(changes)
+    return moved
+
+
+_new_object = object.__new__
+_BLANK_CALL = CallState("", "", 0, "admitted")
 
 
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
-    base = current or CallState(event.rollout_id, event.model_call_id, 0, "admitted")
+    base = current or _moved(_BLANK_CALL, rollout_id=event.rollout_id, model_call_id=event.model_call_id)
     version, seq = event.stream_version, event.seq
     body = event.body
     if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:

@@ -11,6 +11,7 @@ a lineage, its ancestors' token ids one record at a time (the cumulative hash).
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from store.replay import (
     paused_gc,
     receipt_row,
     stored_rows,
+    table_rows,
 )
 
 Progress = Callable[[int, int], object]
@@ -512,24 +514,38 @@ class _Audit:
         rebuilt: dict[tuple[Any, ...], dict[str, Any]],
         report: Callable[[ReplayDifference], None],
     ) -> None:
-        """Stream the live table against the rebuilt rows (each rebuilt row is dropped once matched)."""
-        for values in self._live_rows(table):
-            key = tuple(values[name] for name in key_columns)
-            self.counts["projection_rows"] += 1
-            expected = rebuilt.pop(key, None)
-            if expected != values and not self._skipped(table, key):
-                report(ReplayDifference(table.name, key, values, expected))
-        for key, expected in sorted(rebuilt.items(), key=lambda item: repr(item[0])):
-            if not self._skipped(table, key):
-                report(ReplayDifference(table.name, key, None, expected))
+        """Stream the live table against the rebuilt rows (each rebuilt row is dropped once matched).
 
-    def _live_rows(self, table: sa.Table) -> Iterator[dict[str, Any]]:
-        query = sa.select(*table.c).execution_options(yield_per=_LIVE_BATCH)
+        Rows are compared as tuples in column order (what the driver's cursor returns); a
+        mapping is made only for a row that differs.
+        """
+        names = [column.name for column in table.c]
+        ordered = operator.itemgetter(*names)
+        expected_rows = {key: ordered(row) for key, row in rebuilt.items()}
+        rebuilt.clear()
+        key_of = operator.itemgetter(*(names.index(name) for name in key_columns))
+        single = len(key_columns) == 1
+        seen = 0
+        for row in self._live_rows(table):
+            key = (key_of(row),) if single else key_of(row)
+            seen += 1
+            expected = expected_rows.pop(key, None)
+            if expected != row and not self._skipped(table, key):
+                report(ReplayDifference(table.name, key, _mapping(names, row), _mapping(names, expected)))
+        self.counts["projection_rows"] += seen
+        for key, expected in sorted(expected_rows.items(), key=lambda item: repr(item[0])):
+            if not self._skipped(table, key):
+                report(ReplayDifference(table.name, key, None, _mapping(names, expected)))
+
+    def _live_rows(self, table: sa.Table) -> Iterator[tuple[Any, ...]]:
+        """The live rows as tuples in column order (SQLite: on the raw driver cursor)."""
         try:
-            result = self.connection.execute(query)
-            names = list(result.keys())
-            for row in result:
-                yield {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in zip(names, row, strict=True)}
+            if self.connection.dialect.name == "sqlite":
+                yield from table_rows(self.connection, table)
+                return
+            query = sa.select(*table.c).execution_options(yield_per=_LIVE_BATCH)
+            for row in self.connection.execute(query):
+                yield tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)
         except driver_errors(self.connection.engine) as exc:
             self.problem(PROJECTION, f"the {table.name} table cannot be read to its end: {exc}")
 
@@ -580,6 +596,10 @@ class _Audit:
         row = difference.live or difference.rebuilt or {}
         seq = row.get("last_seq", row.get("event_seq"))
         self.problem(PROJECTION, f"does not equal a replay of the log: {difference}", seq=seq, **where)
+
+
+def _mapping(names: list[str], row: tuple[Any, ...] | None) -> dict[str, Any] | None:
+    return None if row is None else dict(zip(names, row, strict=True))
 
 
 def _chunk_kind_fits(kind: EventKind, index: int, count: int) -> bool:
