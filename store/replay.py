@@ -206,9 +206,7 @@ def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None
         count += 1
         fold_event(event, calls, keys, receipts)
         fold_rollout_event(event, rollouts)
-        worker = worker_key(event)
-        if worker is not None:
-            workers[worker] = fold_worker(workers.get(worker), event)
+        fold_worker_event(event, workers)
     return count + len(skipped), {
         "calls": {stream: state.to_row() for stream, state in calls.items()},
         "staged_keys": {(key,): key_row(key, state) for key, state in keys.items()},
@@ -223,6 +221,13 @@ def fold_rollout_event(event: Event, rollouts: dict[str, RolloutState]) -> None:
     folded = fold_rollout(rollouts.get(event.rollout_id), event)
     if folded is not None:
         rollouts[event.rollout_id] = folded
+
+
+def fold_worker_event(event: Event, workers: dict[int, WorkerState]) -> None:
+    """Fold one event into the rebuilt ``workers`` projection (policy workers joined, stopped, lost)."""
+    worker = worker_key(event)
+    if worker is not None:
+        workers[worker] = fold_worker(workers.get(worker), event)
 
 
 def fold_event(
