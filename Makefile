@@ -25,8 +25,10 @@ bench: $(STAMP)
 	$(PY) tools/bench_bytes.py
 	$(PY) tools/bench_cuts.py
 	$(PY) tools/bench_audit.py
+	$(PY) tools/bench_replay.py
 	$(PY) tools/bench_linearize.py
 	$(PY) tools/bench_retention.py
+	$(PY) tools/bench_coordinator.py
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

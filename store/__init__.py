@@ -18,6 +18,16 @@ if TYPE_CHECKING:
     from store.audit import AuditProblem, AuditReport
     from store.capture import CaptureAdapter, RolloutTokenCapture
     from store.columns import FloatColumn, TokenIds
+    from store.coordinator import (
+        CheckpointStateError,
+        Coordinator,
+        CoordinatorError,
+        CoordinatorUnavailableError,
+        FrameError,
+        WorkerCall,
+        WorkerClient,
+    )
+    from store.coordinator.history import PolicyWorker
     from store.cut_records import (
         GenerationCutInventory,
         GenerationCutPrefix,
@@ -137,6 +147,14 @@ if TYPE_CHECKING:
 
 # Each public name and the module that defines it (a test checks this against ``__all__``).
 _MODULES = {
+    "CheckpointStateError": "store.coordinator",
+    "Coordinator": "store.coordinator",
+    "CoordinatorError": "store.coordinator",
+    "CoordinatorUnavailableError": "store.coordinator",
+    "FrameError": "store.coordinator",
+    "WorkerCall": "store.coordinator",
+    "WorkerClient": "store.coordinator",
+    "PolicyWorker": "store.coordinator.history",
     "INVALID_WORKER_COMMIT_COORDINATES": "store.retention",
     "POISON_REASONS": "store.retention",
     "REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES": "store.retention",
@@ -253,6 +271,14 @@ _MODULES = {
 }
 
 __all__ = [
+    "CheckpointStateError",
+    "Coordinator",
+    "CoordinatorError",
+    "CoordinatorUnavailableError",
+    "FrameError",
+    "WorkerCall",
+    "WorkerClient",
+    "PolicyWorker",
     "INVALID_WORKER_COMMIT_COORDINATES",
     "POISON_REASONS",
     "REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES",

@@ -220,6 +220,15 @@ class FloatColumn(Sequence[float]):
             self._carry = carry if bool((bits[carry:] == _ONE_BITS).all()) else None
         return self._carry
 
+    def stored_carry(self) -> int | None:
+        """``carry_count`` of a column read back from storage (binary32 patterns only), else None.
+
+        Such a column is judged on its patterns alone, so when it is k times +0.0 then only
+        +1.0 the flags of ``zero_one_flags`` are exactly "the first k" and "the rest".
+        A column built from float64 values is judged on those values: always None here.
+        """
+        return None if self._values is not None else self.carry_count()
+
     def zero_one_flags(self) -> tuple[np.ndarray, np.ndarray]:
         """Per position: equal to 0.0 (either sign), equal to 1.0.
 
@@ -231,7 +240,7 @@ class FloatColumn(Sequence[float]):
         bits = self._f32.view(np.uint32)
         return (bits & _ABS_BITS) == 0, bits == _ONE_BITS
 
-    def any_nonzero(self, where: np.ndarray) -> bool:
+    def any_nonzero(self, where: np.ndarray | slice) -> bool:
         """Whether any selected position differs from 0.0 (-0.0 counts as 0.0)."""
         if self._values is not None:
             return bool((self._values[where] != 0.0).any())
@@ -294,16 +303,13 @@ def encode_ids(ids: TokenIds) -> bytes:
 
 
 def decode_ids(data: bytes) -> TokenIds:
-    tag, body = data[:1], data[1:]
+    tag = data[:1]
     if tag == _IDS_U32:
-        # Big-endian u64 of an id below 2**32: four zero bytes, then its big-endian u32.
-        words = np.zeros(2 * (len(body) // 4), dtype=np.uint32)
-        words[1::2] = np.frombuffer(body, dtype="<u4")
-        if _LITTLE:
-            words[1::2].byteswap(inplace=True)
-        return TokenIds(words.view(_U64_BE))
+        # One widening, byte-swapping copy straight into the big-endian form digests hash
+        # (numpy converts and swaps in a single pass; twice as fast as zeroing then filling).
+        return TokenIds(np.frombuffer(data, dtype="<u4", offset=1).astype(_U64_BE))
     if tag == _IDS_U64:
-        return TokenIds(np.frombuffer(body, dtype="<u8").astype(np.uint64))
+        return TokenIds(np.frombuffer(data, dtype="<u8", offset=1).astype(_U64_BE))
     raise ValueError(f"unknown token-id column tag {tag!r}")
 
 
@@ -326,7 +332,10 @@ def decode_mask(data: bytes) -> FloatColumn:
         carry = int.from_bytes(data[1:9], "big")
         total = int.from_bytes(data[9:17], "big")
         f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4")
-        return FloatColumn.from_f32(f32)
+        column = FloatColumn.from_f32(f32)
+        if carry <= total:
+            column._carry = carry  # built as carry times +0.0 then +1.0: its carry is known
+        return column
     if tag == _MASK_RAW:
         return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
     raise ValueError(f"unknown mask column tag {tag!r}")

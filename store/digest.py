@@ -369,6 +369,13 @@ def _check_versions(schema_version: Any, digest_version: Any, extras_digest_vers
 
 def check_mask_and_carry(mask: FloatColumn, log_probs: FloatColumn) -> None:
     """Masks are 0.0 or 1.0; every carry (mask 0.0) position has log-prob 0.0 (-0.0 passes)."""
+    carried = mask.stored_carry()
+    if carried is not None:
+        # A mask read from storage as carry-then-generation (its shape is known from its
+        # bytes): the carry positions are its first ``carried``, a slice, not a flag array.
+        if carried and log_probs.any_nonzero(slice(0, carried)):
+            raise DigestValueError("a carry position (mask 0.0) must have log-prob 0.0")
+        return
     carry, generated = mask.zero_one_flags()
     if not (carry | generated).all():
         raise DigestValueError("token_mask_delta values must be exactly 0.0 or 1.0")

@@ -28,12 +28,16 @@ class EventKind(enum.StrEnum):
     ROLLOUT_FORGOTTEN = "rollout_forgotten"
     LEDGER_RECORDED = "ledger_recorded"
     LEDGER_FAILED = "ledger_failed"
+    WORKER_JOINED = "worker_joined"
+    WORKER_STOPPED = "worker_stopped"
+    WORKER_LOST = "worker_lost"
 
 
 RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED})
 # Fences and tombstones of a capture key: never refused by a fence, never removed by a delete.
 RETENTION_KINDS = frozenset({EventKind.ROLLOUT_RETIRED, EventKind.ROLLOUT_DELETED, EventKind.ROLLOUT_FORGOTTEN})
 LEDGER_KINDS = frozenset({EventKind.LEDGER_RECORDED, EventKind.LEDGER_FAILED})
+WORKER_KINDS = frozenset({EventKind.WORKER_JOINED, EventKind.WORKER_STOPPED, EventKind.WORKER_LOST})
 
 # (start, end, version): delta positions [start, end) of the call's record were generated
 # by that policy version.  Carried prompt tokens belong to no span.
@@ -154,6 +158,18 @@ class LedgerRecordBody(msgspec.Struct, kw_only=True):
 
     commit: bytes
     fingerprint: str | None = None
+class WorkerBody(msgspec.Struct, kw_only=True):
+    """A policy worker process joined, stopped or was lost (logged by the checkpoint coordinator).
+
+    ``joined_seq`` is its join event; ``checkpoint_id`` the open checkpoint its leaving blocked.
+    """
+
+    pid: int
+    index: int
+    expected: int
+    connected: int
+    joined_seq: int | None = None
+    checkpoint_id: str | None = None
 
 
 BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
@@ -169,6 +185,9 @@ BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.ROLLOUT_FORGOTTEN: FenceBody,
     EventKind.LEDGER_RECORDED: LedgerRecordBody,
     EventKind.LEDGER_FAILED: FailureBody,
+    EventKind.WORKER_JOINED: WorkerBody,
+    EventKind.WORKER_STOPPED: WorkerBody,
+    EventKind.WORKER_LOST: WorkerBody,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

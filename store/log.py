@@ -34,12 +34,15 @@ from store.projections import (
     Event,
     KeyState,
     RolloutState,
+    WorkerState,
     affects_call,
     fenced_kind,
     fold_call,
     fold_keys,
     fold_receipt,
     fold_rollout,
+    fold_worker,
+    worker_key,
 )
 
 T = TypeVar("T")
@@ -144,6 +147,10 @@ class _Statements:
             .values({c: sa.bindparam(c.name) for c in rollouts.c if c.name != "rollout_id"}),
             engine,
         )
+        workers = schema.workers
+        self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
+        self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
+        self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
 
 
 class WriteTransaction:
@@ -271,6 +278,16 @@ class WriteTransaction:
                 self._sql.insert_receipt,
                 {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
             )
+        worker = worker_key(event)
+        if worker is not None:
+            self._project_worker(worker, event)
+
+    def _project_worker(self, key: int, event: Event) -> None:
+        """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""
+        row = self._execute(self._sql.select_worker, {"key": key}).fetchone()
+        current = None if row is None else WorkerState(*row)
+        self._execute(self._sql.delete_worker, {"key": key})
+        self._execute(self._sql.insert_worker, fold_worker(current, event).to_row())
 
     def _project_rollout(self, event: Event) -> None:
         current = self.rollout(event.rollout_id)

@@ -19,6 +19,7 @@ from store.events import (
     LEDGER_KINDS,
     RECORD_KINDS,
     RETENTION_KINDS,
+    WORKER_KINDS,
     AdmissionBody,
     CutReceiptBody,
     EventKind,
@@ -26,6 +27,7 @@ from store.events import (
     RecordBody,
     Span,
     TombstoneBody,
+    WorkerBody,
 )
 from store.schema import version_key
 
@@ -38,6 +40,7 @@ RECEIPT_STREAM = "__cut_receipts__"
 ROLLOUT_STREAM = "__rollout__"
 LEDGER_PREFIX = "__ledger__/"
 ROLLOUT_KINDS = RETENTION_KINDS | LEDGER_KINDS
+WORKERS_STREAM = "__policy_workers__"  # worker events: one stream per pid
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,13 @@ class CallState:
         return max((s[2] for s in self.spans), default=None)
 
     def to_row(self) -> dict[str, Any]:
-        oldest, newest = self.oldest_version, self.newest_version
+        spans = self.spans
+        if spans:
+            versions = [span[2] for span in spans]
+            oldest: int | None = min(versions)
+            newest: int | None = max(versions)
+        else:
+            oldest = newest = None
         return {
             "rollout_id": self.rollout_id,
             "model_call_id": self.model_call_id,
@@ -152,7 +161,7 @@ TERMINAL_STATES = frozenset({"completed", "failed"})
 
 
 def affects_call(kind: EventKind) -> bool:
-    return kind is not EventKind.CUT_RECEIPT and kind not in ROLLOUT_KINDS
+    return kind is not EventKind.CUT_RECEIPT and kind not in ROLLOUT_KINDS and kind not in WORKER_KINDS
 
 
 def fenced_kind(kind: EventKind) -> bool:
@@ -228,13 +237,24 @@ def _moved_rollout(base: RolloutState, **changes: Any) -> RolloutState:
 
 def _moved(base: CallState, **changes: Any) -> CallState:
     """``dataclasses.replace`` without its per-field bookkeeping: the folds run once per event
-    on the write path and on every pass over the log."""
-    return CallState(**{**base.__dict__, **changes})
+    on the write path and on every pass over the log.  The copy fills the new instance's
+    ``__dict__`` directly: a frozen dataclass's ``__init__`` sets each of its sixteen fields
+    through ``object.__setattr__``, which was most of a fold (CallState has no
+    ``__post_init__`` and no slots, so the result is the same object)."""
+    moved = _new_object(CallState)
+    fields = moved.__dict__
+    fields.update(base.__dict__)
+    fields.update(changes)
+    return moved
+
+
+_new_object = object.__new__
+_BLANK_CALL = CallState("", "", 0, "admitted")
 
 
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
-    base = current or CallState(event.rollout_id, event.model_call_id, 0, "admitted")
+    base = current or _moved(_BLANK_CALL, rollout_id=event.rollout_id, model_call_id=event.model_call_id)
     version, seq = event.stream_version, event.seq
     body = event.body
     if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:
@@ -318,6 +338,48 @@ def fold_receipt(event: Event) -> tuple[tuple[str, str], int] | None:
         assert isinstance(event.body, CutReceiptBody)
         return (event.body.checkpoint_id, event.body.inventory_digest), event.seq
     return None
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One row of the ``workers`` projection: a policy worker process, keyed by its join event."""
+
+    join_seq: int
+    pid: int
+    worker_index: int
+    expected: int
+    state: str  # connected, stopped or lost
+    left_seq: int | None = None
+    blocked_checkpoint: str | None = None
+
+    def to_row(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_LEFT = {EventKind.WORKER_STOPPED: "stopped", EventKind.WORKER_LOST: "lost"}
+
+
+def worker_key(event: Event) -> int | None:
+    """The ``workers`` row a worker event folds into (None for other events)."""
+    if event.kind not in WORKER_KINDS:
+        return None
+    body = event.body
+    assert isinstance(body, WorkerBody)
+    return event.seq if event.kind is EventKind.WORKER_JOINED or body.joined_seq is None else body.joined_seq
+
+
+def fold_worker(current: WorkerState | None, event: Event) -> WorkerState:
+    """The ``workers`` row after a worker event (a leave whose join was never logged starts a row)."""
+    body = event.body
+    assert isinstance(body, WorkerBody)
+    key = worker_key(event)
+    assert key is not None
+    base = current or WorkerState(key, body.pid, body.index, body.expected, "connected")
+    if event.kind is EventKind.WORKER_JOINED:
+        return base
+    return WorkerState(
+        base.join_seq, base.pid, base.worker_index, base.expected, _LEFT[event.kind], event.seq, body.checkpoint_id
+    )
 
 
 def merge_spans(spans: Sequence[Span]) -> tuple[Span, ...]:

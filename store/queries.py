@@ -158,7 +158,7 @@ class Reader:
             for start in range(0, len(wanted), _FETCH_CHUNK):
                 chunk = wanted[start : start + _FETCH_CHUNK]
                 for row in connection.execute(query, {"keys": chunk}):
-                    rows[row.key_staging_key] = row._mapping
+                    rows[row.key_staging_key] = dict(row._mapping)  # read many times: a plain dict is faster
         missing = [key for key in wanted if key not in rows]
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -300,6 +300,11 @@ def _ancestry(records: Mapping[str, CallRecord], leaf_id: str | None) -> list[Ca
 
 def carry_boundary(model_call_id: str, mask: FloatColumn) -> int:
     """How many carried (mask 0.0) positions open the delta, which must then be only generated (1.0)."""
+    carried = mask.stored_carry()  # a stored carry-then-generation mask: known without flag arrays
+    if carried is not None:
+        if carried == len(mask):
+            raise RebuildError("empty_generation", f"call {model_call_id}: the delta holds no generated token")
+        return carried
     carry, generated = mask.zero_one_flags()
     opened = ~carry
     boundary = int(np.argmax(opened)) if opened.any() else len(mask)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Generator, Iterator, Mapping, Sequence
+import operator
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +21,14 @@ from store.projections import (
     Event,
     KeyState,
     RolloutState,
+    WorkerState,
     affects_call,
     fold_call,
     fold_keys,
     fold_receipt,
     fold_rollout,
+    fold_worker,
+    worker_key,
 )
 
 _MAX_DIFFERENCES = 50
@@ -196,16 +200,19 @@ def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None
     keys: dict[str, KeyState] = {}
     receipts: dict[tuple[str, str], int] = {}
     rollouts: dict[str, RolloutState] = {}
+    workers: dict[int, WorkerState] = {}
     count = 0
     for event in verified_events(connection, skipped):
         count += 1
         fold_event(event, calls, keys, receipts)
         fold_rollout_event(event, rollouts)
+        fold_worker_event(event, workers)
     return count + len(skipped), {
         "calls": {stream: state.to_row() for stream, state in calls.items()},
         "staged_keys": {(key,): key_row(key, state) for key, state in keys.items()},
         "cut_receipts": {ident: receipt_row(ident, seq) for ident, seq in receipts.items()},
         "rollouts": {(key,): state.to_row() for key, state in rollouts.items()},
+        "workers": {(key,): state.to_row() for key, state in workers.items()},
     }
 
 
@@ -214,6 +221,13 @@ def fold_rollout_event(event: Event, rollouts: dict[str, RolloutState]) -> None:
     folded = fold_rollout(rollouts.get(event.rollout_id), event)
     if folded is not None:
         rollouts[event.rollout_id] = folded
+
+
+def fold_worker_event(event: Event, workers: dict[int, WorkerState]) -> None:
+    """Fold one event into the rebuilt ``workers`` projection (policy workers joined, stopped, lost)."""
+    worker = worker_key(event)
+    if worker is not None:
+        workers[worker] = fold_worker(workers.get(worker), event)
 
 
 def fold_event(
@@ -248,31 +262,55 @@ _PRIMARY_KEYS = {
     "staged_keys": ("staging_key",),
     "cut_receipts": ("checkpoint_id", "inventory_digest"),
     "rollouts": ("rollout_id",),
+    "workers": ("join_seq",),
 }
 
+# The comparison holds each projection row as a tuple in column order (what the driver's
+# cursor returns): a whole table then compares with one dictionary equality, in C, and
+# mappings are made only for the rows that differ.
+RowTables = dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]
 
-def live_tables(connection: sa.Connection) -> Tables:
-    tables: Tables = {}
+
+def _column_names(table: sa.Table) -> list[str]:
+    return [column.name for column in table.c]
+
+
+def as_tuples(rebuilt: Tables) -> RowTables:
+    """The rebuilt rows in column order (the live tables' form); ``rebuilt`` is emptied as it goes."""
+    tuples: RowTables = {}
     for table in schema.PROJECTION_TABLES:
-        key_columns = _PRIMARY_KEYS[table.name]
-        rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-        names = [column.name for column in table.c]  # zipped with each row: far cheaper than a mapping per row
-        binary = [name for name in names if isinstance(table.c[name].type, sa.LargeBinary)]
-        for row in _table_rows(connection, table):
-            values = dict(zip(names, row, strict=True))
-            for name in binary:  # PostgreSQL's driver may hand bytea back as a memoryview
-                value = values[name]
-                if isinstance(value, memoryview):
-                    values[name] = bytes(value)
-            rows[tuple(values[k] for k in key_columns)] = values
-        tables[table.name] = rows
+        ordered = operator.itemgetter(*_column_names(table))
+        rows = rebuilt.pop(table.name, {})
+        tuples[table.name] = {key: ordered(row) for key, row in rows.items()}
+    return tuples
+
+
+def as_mappings(table: sa.Table, rows: dict[tuple[Any, ...], tuple[Any, ...]]) -> list[dict[str, Any]]:
+    names = _column_names(table)
+    return [dict(zip(names, row, strict=True)) for row in rows.values()]
+
+
+def live_tables(connection: sa.Connection) -> RowTables:
+    tables: RowTables = {}
+    for table in schema.PROJECTION_TABLES:
+        names = _column_names(table)
+        indices = [names.index(name) for name in _PRIMARY_KEYS[table.name]]
+        rows = table_rows(connection, table)
+        if connection.dialect.name != "sqlite":  # PostgreSQL's driver may hand bytea back as a memoryview
+            rows = (tuple(bytes(v) if isinstance(v, memoryview) else v for v in row) for row in rows)
+        if len(indices) == 1:
+            (index,) = indices
+            tables[table.name] = {(row[index],): row for row in rows}
+        else:
+            key_of = operator.itemgetter(*indices)
+            tables[table.name] = {key_of(row): row for row in rows}
     return tables
 
 
-def _table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[Sequence[Any]]:
+def table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[tuple[Any, ...]]:
     """Every row of ``table`` as a tuple in column order (SQLite: on the raw driver cursor)."""
     if connection.dialect.name != "sqlite":
-        yield from connection.execute(sa.select(*table.c))
+        yield from (tuple(row) for row in connection.execute(sa.select(*table.c)))
         return
     cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
@@ -281,16 +319,27 @@ def _table_rows(connection: sa.Connection, table: sa.Table) -> Iterator[Sequence
         cursor.close()
 
 
-def compare(live: Tables, rebuilt: Tables) -> list[ReplayDifference]:
+def compare(live: RowTables, rebuilt: RowTables) -> list[ReplayDifference]:
     differences: list[ReplayDifference] = []
-    for table, rebuilt_rows in rebuilt.items():
-        live_rows = live.get(table, {})
+    for table in schema.PROJECTION_TABLES:
+        rebuilt_rows, live_rows = rebuilt.get(table.name, {}), live.get(table.name, {})
+        if rebuilt_rows == live_rows:  # the common case, decided in one comparison
+            continue
+        names = _column_names(table)
         # Only the differing keys are sorted (by repr, for a stable report): most rows match.
         differing = [key for key, row in rebuilt_rows.items() if live_rows.get(key) != row]
         differing += [key for key in live_rows if key not in rebuilt_rows]
         for key in sorted(differing, key=repr):
-            differences.append(ReplayDifference(table, key, live_rows.get(key), rebuilt_rows.get(key)))
+            differences.append(
+                ReplayDifference(
+                    table.name, key, _mapping(names, live_rows.get(key)), _mapping(names, rebuilt_rows.get(key))
+                )
+            )
     return differences
+
+
+def _mapping(names: list[str], row: tuple[Any, ...] | None) -> dict[str, Any] | None:
+    return None if row is None else dict(zip(names, row, strict=True))
 
 
 def replay(engine: Engine, backend: Backend, *, repair: bool = False) -> ReplayReport:
@@ -304,7 +353,8 @@ def replay(engine: Engine, backend: Backend, *, repair: bool = False) -> ReplayR
         with engine.connect() as connection, paused_gc():
             connection.exec_driver_sql(backend.begin_write_sql if repair else backend.begin_snapshot_sql)
             undecodable: list[tuple[int, str]] = []
-            count, rebuilt = rebuild(connection, undecodable)
+            count, folded = rebuild(connection, undecodable)
+            rebuilt = as_tuples(folded)
             differences = compare(live_tables(connection), rebuilt)
             repaired = False
             if repair and undecodable:
@@ -313,7 +363,7 @@ def replay(engine: Engine, backend: Backend, *, repair: bool = False) -> ReplayR
             if repair and differences:
                 for table in schema.PROJECTION_TABLES:
                     connection.execute(sa.delete(table))
-                    rows = list(rebuilt[table.name].values())
+                    rows = as_mappings(table, rebuilt[table.name])
                     if rows:
                         connection.execute(sa.insert(table), rows)
                 repaired = True

@@ -20,9 +20,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0003"
+SCHEMA_REVISION = "0004"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004")
 
 metadata = MetaData()
 
@@ -110,7 +110,22 @@ rollouts = Table(
     sqlite_with_rowid=False,
 )
 
-PROJECTION_TABLES = (staged_keys, calls, cut_receipts, rollouts)
+# Policy worker processes, keyed by the event that first named them (their join).
+workers = Table(
+    "workers",
+    metadata,
+    Column("join_seq", BigInteger, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("worker_index", Integer, nullable=False),
+    Column("expected", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("left_seq", BigInteger, nullable=True),
+    Column("blocked_checkpoint", String, nullable=True),
+    PrimaryKeyConstraint("join_seq", name="pk_workers"),
+    sqlite_with_rowid=False,
+)
+
+PROJECTION_TABLES = (staged_keys, calls, cut_receipts, rollouts, workers)
 
 
 def version_key(version: int) -> str:

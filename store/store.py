@@ -43,6 +43,7 @@ from store.retention.ledger import CaptureLedger
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
+    from store.coordinator.history import PolicyWorker
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,27 @@ class Store:
         from store.audit import audit_store  # the audit builds on the store, never the other way
 
         return audit_store(self._engine, self._backend, progress)
+
+    # --- policy workers (store.coordinator) --------------------------------------------------
+
+    @operation
+    def record_worker(
+        self, kind: str, pid: int, *, index: int, joined_seq: int | None = None, connected: int, expected: int,
+        checkpoint_id: str | None = None,
+    ) -> int:
+        """Log a policy worker joining, stopping or lost (the coordinator does); returns its sequence number."""
+        from store.coordinator.history import worker_event  # the coordinator builds on the store
+
+        event = worker_event(kind, pid, index=index, joined_seq=joined_seq, connected=connected,
+                             expected=expected, checkpoint_id=checkpoint_id)
+        return self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
+
+    @operation
+    def workers(self) -> list[PolicyWorker]:
+        """Every policy worker the coordinator logged, with the calls it staged and those it left in flight."""
+        from store.coordinator.history import policy_workers
+
+        return policy_workers(self._engine)
 
     # --- events the worker capture appends ----------------------------------------------------
 

@@ -45,7 +45,7 @@ def reset_postgres(url: str) -> None:
     """Drop the store's tables so each test starts from an empty database."""
     engine = _engine(url)
     with engine.begin() as connection:
-        for table in ("events", "staged_keys", "calls", "cut_receipts", "rollouts", "alembic_version"):
+        for table in ("events", "staged_keys", "calls", "cut_receipts", "rollouts", "workers", "alembic_version"):
             connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table} CASCADE")
     engine.dispose()
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from factories import make_record
 
 from store import (
+    AuditReport,
     CaptureAdmission,
     CorruptRecordError,
     EventKind,
@@ -99,6 +100,7 @@ class Outcome:
     missing: list[str] = field(default_factory=list)
     replay_differs: bool = False
     replay_report: ReplayReport | None = None
+    audit_problems: tuple[str, ...] = ()  # the codes of what the audit found
 
     def read(self, name: str, action: Callable[[], Any], check: Callable[[Any], str | None]) -> None:
         try:
@@ -112,6 +114,8 @@ class Outcome:
         if isinstance(value, ReplayReport):
             self.replay_differs = not value.ok
             self.replay_report = value
+        if isinstance(value, AuditReport):
+            self.audit_problems = tuple(sorted(value.codes()))
         problem = check(value)
         if problem is not None:
             self.violations.append(f"{name}: {problem}")
@@ -121,8 +125,8 @@ class Outcome:
 
     @property
     def found(self) -> bool:
-        """Whether any read noticed damage (an error, or a replay that differs)."""
-        return bool(self.detected) or self.replay_differs
+        """Whether any read noticed damage (an error, a replay that differs, an audit's problem)."""
+        return bool(self.detected) or self.replay_differs or bool(self.audit_problems)
 
 
 def probe(store: Store, expected: Expected, *, each_key: bool = True) -> Outcome:
@@ -161,6 +165,7 @@ def probe(store: Store, expected: Expected, *, each_key: bool = True) -> Outcome
     )
     outcome.read("calls", store.calls, lambda found: None)
     outcome.read("replay", store.replay, lambda report: None)
+    outcome.read("audit", store.audit, lambda report: None)
     return outcome
 
 

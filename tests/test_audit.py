@@ -3,8 +3,10 @@ cuts and continuations audits ok, progress, and bounded memory."""
 
 from __future__ import annotations
 
+import sqlite3
 import tracemalloc
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,6 +33,7 @@ from store import (
     compute_chain_hash,
     from_json,
     hash_token_ids,
+    open_store,
     to_json,
 )
 from store.columns import event_checksum
@@ -334,3 +337,28 @@ def test_replay_reports_an_undecodable_event_and_refuses_to_repair_from_it(store
     with pytest.raises(CorruptRecordError, match="cannot repair"):
         store.replay(repair=True)
     assert store.fetch(["s2/call-1"])[0].rollout_id == "s2"
+
+
+def test_damage_no_row_read_meets_is_a_storage_problem(tmp_path: Path) -> None:
+    """SQLite: a damaged index page is found by the audit's page walk, though every row still reads."""
+    path = tmp_path / "store.db"
+    with open_store(path) as store:
+        for index in range(40):
+            assert store.stage(make_record(rollout_id=f"r{index}", model_call_id="c1")).ok
+        assert store.audit().ok
+    with sqlite3.connect(path) as connection:
+        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+        (root,) = connection.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'sqlite_autoindex_events_1'"
+        ).fetchone()
+    connection.close()
+    data = bytearray(path.read_bytes())
+    start = (root - 1) * page_size
+    for offset in range(start + page_size // 2, start + page_size - 8, 31):  # the index's cells
+        data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+    with open_store(path) as store:
+        assert len(store.fetch([f"r{index}/c1" for index in range(40)])) == 40  # rows read by rowid
+        report = store.audit()
+    assert not report.ok and "storage" in report.codes()
+    assert any("sqlite_autoindex_events_1" in p.reason or "page" in p.reason for p in report.problems)

@@ -94,7 +94,7 @@ def test_the_demo_cuts_kills_restores_and_verifies(demo: tuple[Path, dict[str, A
     continued = [call for call in calls if call["resumes"] is not None]
     assert len(continued) == 1 and continued[0]["capture_key"] == "run1-r0-a1"
     assert continued[0]["resumes"]["checkpoint_id"] == "checkpoint-1"
-    pids = {call["writer_pid"] for call in calls}
+    pids = {call["worker_pid"] for call in calls}
     assert len(pids) == 2 and None not in pids  # the dead worker and the fresh one
     # The dead attempt is retired: its cut call shows as retired, not still staging, and a
     # late write from it was tried and refused.
@@ -172,7 +172,7 @@ def test_json_shapes(demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: 
     assert set(lineage["calls"][0]) == {
         "capture_key", "attempt", "model_call_id", "parent_call_id", "state", "mode", "prev_len", "cum_len",
         "generated_tokens", "admitted_version", "oldest_version", "newest_version", "version_spans",
-        "admitted_at", "writer_pid", "resumes", "resumed_by", "retired",
+        "admitted_at", "worker_pid", "resumes", "resumed_by", "retired",
     }  # fmt: skip
     keys = shape("keys", store, "--rollout", "run1-r0")["keys"]
     assert set(keys[0]) == {"staging_key", "rollout_id", "model_call_id", "event_seq", "kind", "digest"}
@@ -463,11 +463,12 @@ def test_a_closed_pipe_ends_quietly(command: str, demo: tuple[Path, dict[str, An
 
 
 @pytest.fixture
-def no_stray_workers() -> Iterator[None]:
+def no_stray_workers(tmp_path: Path) -> Iterator[None]:
     yield
-    # The demo's workers are children of the demo; none must outlive an interrupted demo.
+    # The demo's workers are children of the demo; none must outlive an interrupted demo.  Only
+    # this test's workers count (their command line names its store), not other runs' demos.
     listed = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False).stdout
-    assert "store.demo.worker" not in listed
+    assert not [line for line in listed.splitlines() if "store.demo.worker" in line and str(tmp_path) in line]
 
 
 def test_ctrl_c_ends_the_demo_quietly(tmp_path: Path, no_stray_workers: None) -> None:

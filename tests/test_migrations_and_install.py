@@ -198,6 +198,7 @@ def test_migration_0002_rewrites_the_checksums_that_verify(store_url: str) -> No
                 )
             connection.execute(sa.text("UPDATE alembic_version SET version_num = '0001'"))
             connection.execute(sa.text("DROP TABLE rollouts"))  # created by revision 0003
+            connection.execute(sa.text("DROP TABLE workers"))  # added by 0004
     finally:
         engine.dispose()
 

@@ -17,6 +17,8 @@ repeated inventories, and forks.  After every step:
 * a retired capture key refuses a late write (``RolloutFencedError``) and writes nothing, a
   forgotten one no longer does, and a deleted rollout's keys are gone (its tombstones explain
   the gap to the audit, and replay still equals the projections);
+* the workers projection shows every policy worker that joined the coordinator as connected,
+  stopped or lost, as the machine made it, and the coordinator counts the connected ones;
 * every completed rollout linearizes (``Store.linearize``) and exports (``Store.export_jsonl``)
   to exactly the model's tokens and oldest policy version; a failed one is refused as
   ``capture_poisoned``, one that generated nothing as ``empty_generation``.
@@ -41,6 +43,7 @@ from typing import ClassVar
 
 import pytest
 from capture_helpers import continuation_from
+from coordinator_helpers import wait_for
 from factories import make_record
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -52,6 +55,7 @@ from store import (
     CallRecord,
     CaptureAdmission,
     CaptureLedgerCommit,
+    Coordinator,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -62,6 +66,7 @@ from store import (
     RolloutTokenCapture,
     Store,
     UnknownKeyError,
+    WorkerClient,
     capture_key,
     open_store,
     to_json,
@@ -144,6 +149,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.deleted: set[str] = set()  # staging keys of deleted rollouts, or dropped by retain
         self.ledger_rows: dict[str, list[CallRecord]] = {}  # capture key -> its committed ledger rows
         self.deleted_since_compact = False
+        self.worker_states: list[str] = []  # every worker that ever joined, in join order
 
     def _open(self) -> None:
         self.store: Store = open_store(self.path)
@@ -153,6 +159,18 @@ class StoreMachine(RuleBasedStateMachine):
             flush_threshold_tokens=FLUSH_THRESHOLD,
             flush_interval=3600.0,  # passes run only when a rule calls flush_due()
         )
+        # The policy server's coordinator lives and dies with the process, as the store does.
+        socket_path = os.path.join(self.folder, "policy.sock")
+        self.coordinator = Coordinator(socket_path, expected_workers=2, store=self.store, message_timeout=5).start()
+        self.clients: list[tuple[WorkerClient, int]] = []  # connected: (client, place in worker_states)
+
+    def _close_process(self) -> None:
+        """Everything in the process goes: workers stay "connected" in the log (no one saw them go)."""
+        self.coordinator.close()
+        for client, _ in self.clients:
+            client._peer.close()  # type: ignore[union-attr]
+        self.capture.close()
+        self.store.close()
 
     def _next(self, prefix: str) -> str:
         self.counter += 1
@@ -160,8 +178,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.steps["sequences"] += 1
-        self.capture.close()
-        self.store.close()
+        self._close_process()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     # --- rules ---------------------------------------------------------------------------------
@@ -359,8 +376,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.lost.append(LostCall(model, acked[0], acked[1]))
         self.live.clear()
         self.acks.clear()
-        self.capture.close()
-        self.store.close()
+        self._close_process()
         self._open()
 
     @precondition(lambda self: bool(self.lost))
@@ -650,6 +666,31 @@ class StoreMachine(RuleBasedStateMachine):
 
     # --- invariants ----------------------------------------------------------------------------
 
+    # --- policy workers come and go (store.coordinator) ---------------------------------------------
+
+    @precondition(lambda self: len(self.clients) < 3)
+    @rule()
+    def join(self) -> None:
+        self.steps["join"] += 1
+        # The test process plays every worker: a lost coordinator must not SIGTERM it.
+        client = WorkerClient.connect(self.coordinator.socket_path, message_timeout=5, shutdown_on_loss=False)
+        self.clients.append((client, len(self.worker_states)))
+        self.worker_states.append("connected")  # logged before register was answered
+
+    @precondition(lambda self: bool(self.clients))
+    @rule(data=st.data(), clean=st.booleans())
+    def leave(self, data: st.DataObject, clean: bool) -> None:
+        """A worker stops cleanly, or is lost without a goodbye (its connection just drops)."""
+        self.steps["stop" if clean else "lose"] += 1
+        client, position = self.clients.pop(data.draw(st.integers(0, len(self.clients) - 1)))
+        if clean:
+            client.stop()
+        else:
+            client._peer.close()  # type: ignore[union-attr]  # no goodbye: as if the process died
+        self.worker_states[position] = "stopped" if clean else "lost"
+        # The coordinator logs a leave as it sees the connection close: give it a moment.
+        wait_for(lambda: [w.state for w in self.store.workers()] == self.worker_states)
+
     @invariant()
     def acknowledged_keys_fetch_as_their_records(self) -> None:
         if not self.acked:
@@ -717,6 +758,11 @@ class StoreMachine(RuleBasedStateMachine):
         assert report.ok, report.summary()
         assert seen[-1] == (report.counts["events"], report.counts["events"])
         assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+
+    @invariant()
+    def the_workers_projection_follows_the_workers(self) -> None:
+        assert [w.state for w in self.store.workers()] == self.worker_states
+        assert self.coordinator.status()["connected"] == len(self.clients)
 
     @invariant()
     def sequence_numbers_only_grow(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Problem codes, in the order the audit meets them.
+STORAGE = "storage"  # SQLite: the file's pages are not well formed (PRAGMA quick_check)
 CHECKSUM = "checksum"  # an event's stored bytes fail their xxh3 checksum
 UNDECODABLE = "undecodable"  # an event passes its checksum (or cannot be read) but cannot be decoded
 DIGEST = "digest"  # a record does not match its staged digest
@@ -17,6 +18,7 @@ PROJECTION = "projection"  # a projection row differs from a replay of the log
 TOMBSTONE = "tombstone"  # a delete's tombstone stands, but events it removed are still in the log
 
 CODES = (
+    STORAGE,
     CHECKSUM,
     UNDECODABLE,
     DIGEST,

@@ -95,7 +95,7 @@ def _call_json(call: LineageCall) -> dict[str, Any]:
         "newest_version": call.newest_version,
         "version_spans": [[span.start, span.end, span.weight_version] for span in call.version_spans],
         "admitted_at": call.admitted_at,
-        "writer_pid": call.writer_pid,
+        "worker_pid": call.worker_pid,
         "resumes": None
         if resumes is None
         else {
@@ -127,8 +127,8 @@ def _label(call: LineageCall) -> str:
         f"{call.generated_tokens} generated of {call.cum_len if call.cum_len is not None else '?'} tokens",
         _versions(call),
     ]
-    if call.writer_pid is not None:
-        parts.append(f"pid {call.writer_pid}")
+    if call.worker_pid is not None:
+        parts.append(f"pid {call.worker_pid}")
     if call.resumes is not None:
         cut = call.resumes
         parts.append(

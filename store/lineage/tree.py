@@ -63,7 +63,7 @@ class LineageCall:
     admitted_at: float | None
     resumes: ResumedCut | None
     resumed_by: str | None  # the capture key of the attempt that continued this call, if any
-    writer_pid: int | None = None  # the process (worker) that admitted the call, from its admission event
+    worker_pid: int | None = None  # the process (policy worker) that admitted it, per the log's writer pid
     # The call's capture key is retired (a fence is in place).  An unfinished call of a retired
     # attempt shows the state "retired": it can never finish, its late writes are refused.
     retired: bool = False
@@ -201,7 +201,7 @@ def _lineage_call(
         admitted_at=None if admission is None else admission.admitted_at,
         resumes=None if admission is None else _resumed(admission.continuation, present),
         resumed_by=resumed_by,
-        writer_pid=None if admission is None else admission.writer_pid,
+        worker_pid=None if admission is None else admission.writer_pid,
         retired=retired,
     )
 

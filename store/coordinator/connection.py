@@ -1,0 +1,185 @@
+"""One framed, two-way connection: both ends send ``{id, kind, body}`` requests and answer with
+``{reply_to, ok, body}`` or ``{reply_to, ok: false, error}`` (wire-contract 8.1).
+
+A reader thread owns the receiving side: replies wake the waiting request, requests go to
+the handler.  Kinds listed in ``threaded_kinds`` are handled on a thread of their own, because
+their handler sends requests of its own and waits for the replies this reader must deliver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Callable, Collection
+from typing import Any
+
+from store.coordinator import framing
+from store.coordinator.errors import CoordinatorError, CoordinatorUnavailableError, FrameError, error_from_wire
+
+Handler = Callable[["Peer", str, Any], Any]
+_LOG = logging.getLogger("store.coordinator")
+
+
+class _Waiter:
+    __slots__ = ("done", "reply")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: dict[str, Any] | None = None
+
+
+class Peer:
+    """The two-way message channel over one connected socket."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        handler: Handler,
+        *,
+        on_close: Callable[[Peer], None],
+        message_timeout: float,
+        first_frame_timeout: float | None = None,
+        threaded_kinds: Collection[str] = (),
+        name: str = "peer",
+    ) -> None:
+        self.sock = sock
+        self.name = name
+        self._handler = handler
+        self._on_close = on_close
+        self.message_timeout = message_timeout
+        self._first_frame_timeout = first_frame_timeout
+        self._threaded = frozenset(threaded_kinds)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Waiter] = {}
+        self.closed = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    # --- sending --------------------------------------------------------------------------------
+
+    def request(self, kind: str, body: Any, *, timeout: float | None = None) -> Any:
+        """Send a request and return the reply's body; a failed reply raises its typed error.
+
+        A message that cannot be sent, or is not answered within ``timeout`` (default: the
+        message timeout), raises ``CoordinatorUnavailableError``.
+        """
+        ident = next(self._ids)
+        waiter = _Waiter()
+        with self._lock:
+            if self.closed.is_set():
+                raise CoordinatorUnavailableError(f"the connection to the {self.name} is closed")
+            self._pending[ident] = waiter
+        try:
+            self.send({"id": ident, "kind": kind, "body": body})
+            if not waiter.done.wait(self.message_timeout if timeout is None else timeout):
+                raise CoordinatorUnavailableError(f"the {self.name} did not answer {kind!r} in time")
+        finally:
+            with self._lock:
+                self._pending.pop(ident, None)
+        reply = waiter.reply
+        if reply is None:
+            raise CoordinatorUnavailableError(f"the connection to the {self.name} closed before it answered {kind!r}")
+        if reply.get("ok") is True:
+            return reply.get("body")
+        raise error_from_wire(reply.get("error"))
+
+    def send(self, message: Any) -> None:
+        """Send one frame; a message that cannot be framed raises ``FrameError`` (nothing sent),
+        a broken connection ``CoordinatorUnavailableError``."""
+        frame = framing.encode(message)
+        try:
+            with self._send_lock:
+                framing.send_all(self.sock, frame, self.message_timeout)
+        except OSError as exc:
+            self.close()
+            raise CoordinatorUnavailableError(f"a message to the {self.name} could not be sent: {exc}") from exc
+
+    def close(self) -> None:
+        """Shut the socket down; the reader thread then ends and ``on_close`` runs once."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    # --- receiving ------------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        idle: float | None = self._first_frame_timeout
+        reader = framing.FrameReader(self.sock)
+        try:
+            while True:
+                try:
+                    message = reader.read(body_timeout=self.message_timeout, idle_timeout=idle)
+                except framing.PeerClosed:
+                    return
+                except FrameError as exc:
+                    self._refuse(None, exc)
+                    if not exc.in_sync:
+                        return  # the stream lost its frame boundaries
+                    continue
+                except OSError:
+                    return
+                idle = None
+                self._dispatch(message)
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self.closed.set()
+            waiters = list(self._pending.values())
+        for waiter in waiters:
+            waiter.done.set()  # reply None: the connection closed first
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self._on_close(self)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, dict) and "reply_to" in message and "kind" not in message:
+            with self._lock:
+                waiter = self._pending.get(message["reply_to"]) if isinstance(message["reply_to"], int) else None
+            if waiter is not None:
+                waiter.reply = message
+                waiter.done.set()
+            return  # a late or unknown reply is dropped
+        if not (isinstance(message, dict) and isinstance(message.get("kind"), str) and "id" in message):
+            self._refuse(
+                message.get("id") if isinstance(message, dict) else None,
+                FrameError("a request must be a JSON object {id, kind, body}"),
+            )
+            return
+        ident, kind, body = message["id"], message["kind"], message.get("body")
+        if kind in self._threaded:
+            threading.Thread(
+                target=self._answer, args=(ident, kind, body), name=f"{self.name}-{kind}", daemon=True
+            ).start()
+        else:
+            self._answer(ident, kind, body)
+
+    def _answer(self, ident: Any, kind: str, body: Any) -> None:
+        try:
+            reply: dict[str, Any] = {"reply_to": ident, "ok": True, "body": self._handler(self, kind, body)}
+        except CoordinatorError as exc:
+            reply = {"reply_to": ident, "ok": False, "error": exc.wire()}
+        except Exception as exc:  # an unexpected failure is a 500, never the end of the connection
+            _LOG.exception("handling %r from the %s failed", kind, self.name)
+            reply = {"reply_to": ident, "ok": False, "error": CoordinatorError(f"{type(exc).__name__}: {exc}").wire()}
+        try:
+            self.send(reply)
+        except FrameError as exc:  # the reply itself cannot be framed
+            self._refuse(ident, exc)
+        except CoordinatorUnavailableError:
+            pass  # the peer is gone; on_close reports it
+
+    def _refuse(self, ident: Any, error: CoordinatorError) -> None:
+        with contextlib.suppress(CoordinatorError):
+            self.send({"reply_to": ident if _plain_id(ident) else None, "ok": False, "error": error.wire()})
+
+
+def _plain_id(ident: Any) -> bool:
+    return isinstance(ident, (int, str)) and not isinstance(ident, bool)

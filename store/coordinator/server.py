@@ -1,0 +1,452 @@
+"""``Coordinator``: the main process's end of the policy checkpoint socket (wire-contract 8).
+
+It serves no requests itself: it tracks the worker processes, logs each one by pid as it
+joins, stops or is lost (8.3), and drives the checkpoint phases across all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from store.coordinator import worker_log
+from store.coordinator.connection import Peer
+from store.coordinator.errors import CheckpointStateError, CoordinatorError, FrameError
+from store.coordinator.state import CheckpointState, Worker, check_report
+
+if TYPE_CHECKING:
+    from store.store import Store
+
+SOCKET_ENV = "NEMO_GYM_POLICY_CHECKPOINT_SOCKET"
+MESSAGE_TIMEOUT = 30.0
+CONTROL_GRACE = 10.0
+_THREADED = ("control", "claim_cut", "return_cut")
+
+
+def default_socket_path() -> str:
+    """``$NEMO_GYM_POLICY_CHECKPOINT_SOCKET``, else ``ng-policy-{pid}-{8 hex}.sock`` in the temp directory."""
+    configured = os.environ.get(SOCKET_ENV)
+    if configured:
+        return configured
+    return os.path.join(tempfile.gettempdir(), f"ng-policy-{os.getpid()}-{secrets.token_hex(4)}.sock")
+
+
+class Coordinator:
+    """Listens on a Unix socket (mode 0600) for the policy worker processes of this server."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        expected_workers: int,
+        store: Store | None = None,
+        message_timeout: float = MESSAGE_TIMEOUT,
+        register_timeout: float = 10.0,
+    ) -> None:
+        if not isinstance(expected_workers, int) or isinstance(expected_workers, bool) or expected_workers < 1:
+            raise CoordinatorError(f"expected_workers must be a positive integer, got {expected_workers!r}", status=400)
+        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
+        self.expected = expected_workers
+        self._store = store
+        self.message_timeout = message_timeout
+        self._register_timeout = register_timeout
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a report arrived or a worker left
+        self._state = CheckpointState(expected_workers)
+        self._peers: dict[Peer, int | None] = {}  # connection -> worker index once registered
+        self._by_index: dict[int, Peer] = {}
+        self._goodbyes: set[int] = set()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._closing = False
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> Coordinator:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
+        try:
+            listener.bind(self.socket_path)
+        except OSError as exc:
+            listener.close()
+            raise CoordinatorError(f"cannot listen on {self.socket_path!r}: {exc}", status=500) from exc
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.socket_path, 0o600)
+        listener.listen(256)
+        self._listener = listener
+        self._acceptor = threading.Thread(target=self._accept_loop, name="coordinator-accept", daemon=True)
+        self._acceptor.start()
+        return self
+
+    def close(self) -> None:
+        """Stop listening and drop every worker connection (the workers then shut down)."""
+        with self._lock:
+            self._closing = True
+            peers = list(self._peers)
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=5)
+        for peer in peers:
+            peer.close()
+        for peer in peers:
+            peer.closed.wait(timeout=5)
+
+    def __enter__(self) -> Coordinator:
+        return self.start() if self._listener is None else self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def status(self) -> dict[str, Any]:
+        """Workers by pid, expected, accepting, the open checkpoint and its blockers."""
+        with self._lock:
+            state = self._state
+            return {
+                "workers": {
+                    w.pid: {"index": w.index, "reported": w.report is not None, "served": w.served}
+                    for w in state.workers.values()
+                },
+                "connected": len(state.workers),
+                "expected": state.expected,
+                "accepting": state.accepting,
+                "generation": state.generation,
+                "checkpoint": state.checkpoint,
+                "blockers": state.blockers(),
+                "lost_worker": state.lost_worker,
+                "retired": sorted(state.retired),
+                "restored_pending": sorted(state.pending),
+                "restored": {target: list(rows) for target, rows in sorted(state.restored_rows.items())},
+            }
+
+    def wait_for_workers(self, count: int, timeout: float = 10.0) -> bool:
+        """Wait until ``count`` workers are registered (for start-up and tests)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while len(self._state.workers) != count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    # --- connections ----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed
+            if not _same_user(sock):
+                sock.close()  # 0600 already keeps others out; this also covers a loosened mode
+                continue
+            peer = Peer(
+                sock,
+                self._handle,
+                on_close=self._closed,
+                message_timeout=self.message_timeout,
+                first_frame_timeout=self._register_timeout,
+                threaded_kinds=_THREADED,
+                name="policy worker",
+            )
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    return
+                self._peers[peer] = None
+            peer.start()
+
+    def _closed(self, peer: Peer) -> None:
+        with self._lock:
+            index = self._peers.pop(peer, None)
+            if index is None:
+                return
+            self._by_index.pop(index, None)
+            said_goodbye = index in self._goodbyes
+            self._goodbyes.discard(index)
+            checkpoint = self._state.checkpoint
+            worker = self._state.leave(index)
+            blocked = self._state.lost_worker and checkpoint is not None
+            remaining = len(self._state.workers)
+            closing = self._closing
+            self._changed.notify_all()
+        if worker is None or closing:
+            return
+        self._log_leave(worker, said_goodbye, remaining, checkpoint if blocked else None)
+
+    def _log_leave(self, worker: Worker, said_goodbye: bool, remaining: int, blocked: str | None) -> None:
+        worker_log.log_leave(
+            worker, said_goodbye=said_goodbye, remaining=remaining, expected=self.expected, blocked=blocked
+        )
+        kind = "worker_stopped" if said_goodbye else "worker_lost"
+        worker_log.record(self._store, kind, worker, connected=remaining, expected=self.expected, checkpoint=blocked)
+
+    # --- messages from workers ------------------------------------------------------------------
+
+    def _handle(self, peer: Peer, kind: str, body: Any) -> Any:
+        if kind == "register":
+            return self._register(peer, body)
+        with self._lock:
+            index = self._peers.get(peer)
+        if index is None:
+            raise CheckpointStateError("register before sending anything else")
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            raise FrameError(f"unknown message kind {kind!r}", code="unknown_checkpoint_message")
+        return handler(self, index, body)
+
+    def _register(self, peer: Peer, body: Any) -> Any:
+        pid = body.get("pid") if isinstance(body, dict) else None
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise FrameError(f"register needs {{'pid': <positive integer>}}, got {body!r}")
+        with self._lock:
+            if self._peers.get(peer) is not None:
+                raise CheckpointStateError("this connection is already registered")
+            worker = self._state.join(pid)
+            self._peers[peer] = worker.index
+            self._by_index[worker.index] = peer
+            connected = len(self._state.workers)
+            adoption = self._state.adoption()
+            self._changed.notify_all()
+        worker_log.log_join(worker, connected, self.expected)
+        worker.joined_seq = worker_log.record(
+            self._store, "worker_joined", worker, connected=connected, expected=self.expected, checkpoint=None
+        )
+        return {"index": worker.index, **adoption}
+
+    def _report(self, index: int, body: Any) -> Any:
+        with self._lock:
+            self._state.record_report(index, body)
+            self._changed.notify_all()
+        return {}
+
+    def _deregister(self, index: int, body: Any) -> Any:
+        with self._lock:
+            self._goodbyes.add(index)
+        return {}
+
+    def _claim_cut(self, index: int, body: Any) -> Any:
+        key, model_call_id = _call_of(body)
+        with self._lock:
+            continuation, started = self._state.claim(index, key, model_call_id)
+            update = self._restored_update()
+        if started:  # no longer pending on any worker, before the claimer goes on
+            self._broadcast("restored_pending", update, exclude=index)
+        return {"continuation": continuation}
+
+    def _return_cut(self, index: int, body: Any) -> Any:
+        key, model_call_id = _call_of(body)
+        with self._lock:
+            returned = self._state.return_cut(index, key, model_call_id)
+            update = self._restored_update()
+        if returned:  # offered again to every worker
+            self._broadcast("restored_pending", update, exclude=index)
+        return {"returned": returned}
+
+    def _restored_update(self) -> dict[str, Any]:
+        """The restored attempts still pending and the cuts still unclaimed (called holding the lock)."""
+        state = self._state
+        return {
+            "pending": sorted(state.pending),
+            "targets": sorted(target for target, cut in state.cuts.items() if cut.claimed_by is None),
+        }
+
+    def _control(self, index: int, body: Any) -> Any:
+        if not isinstance(body, dict) or not isinstance(body.get("action"), str):
+            raise FrameError("control needs {'action': <name>, ...}")
+        action = _CONTROL.get(body["action"])
+        if action is None:
+            raise FrameError(f"unknown control action {body['action']!r}", code="unknown_checkpoint_message")
+        return action(self, body)
+
+    # --- control actions (a worker forwards them from its control route) ------------------------
+
+    def prepare(self, checkpoint_id: str, *, timeout: float = 5.0) -> dict[str, Any]:
+        """Close admission on every worker and wait (up to ``timeout``) for all their reports."""
+        checkpoint_id = _text("checkpoint_id", checkpoint_id)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._state.prepare(checkpoint_id)
+            generation = self._state.generation
+        # A worker that does not answer by the deadline stays unreported: it blocks, it never hangs prepare.
+        replies = self._broadcast(
+            "close", {"checkpoint_id": checkpoint_id, "generation": generation}, timeout=max(0.001, timeout)
+        )
+        with self._lock:
+            for index, reply in replies.items():
+                if not isinstance(reply, CoordinatorError) and index in self._state.workers:
+                    self._state.record_report(index, reply)
+            while self._state.blockers() and not self._state.lost_worker:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            blockers = self._state.blockers()
+            return {
+                "checkpoint_id": checkpoint_id,
+                "ready": not blockers,
+                "blockers": blockers,
+                "reported": self._state.reported(),
+                "expected": self.expected,
+            }
+
+    def commit(self, checkpoint_id: str) -> dict[str, Any]:
+        """The checkpoint's rows from every worker, leaving out calls still undelivered anywhere."""
+        checkpoint_id = _text("checkpoint_id", checkpoint_id)
+        with self._lock:
+            self._state.require_ready(checkpoint_id)
+        replies = self._broadcast("snapshot", {"checkpoint_id": checkpoint_id})
+        failed = [index for index, reply in replies.items() if isinstance(reply, CoordinatorError)]
+        with self._lock:
+            if failed:
+                raise CheckpointStateError(
+                    f"checkpoint {checkpoint_id!r} is no longer ready: worker(s) {failed} did not answer",
+                    code="checkpoint_not_ready",
+                )
+            snapshots = [check_report(reply) for reply in replies.values()]
+            return self._state.commit(checkpoint_id, snapshots)
+
+    def resume(self) -> dict[str, Any]:
+        """Open admission again and clear a lost worker's block."""
+        with self._lock:
+            self._state.resume()
+            update = {"generation": self._state.generation, "pending": sorted(self._state.pending)}
+        self._broadcast("open", update)
+        return {"accepting": True, **update}
+
+    def retire(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        """Refuse an attempt on every worker (and every later one) until ``forget``."""
+        key = _attempt(rollout_id, attempt)
+        with self._lock:
+            self._state.retire(key)
+        replies = self._broadcast("retire", {"capture_key": key})
+        stopped = sum(r.get("stopped", 0) for r in replies.values() if isinstance(r, dict))
+        return {"retired": key, "stopped": stopped}
+
+    def forget(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        key = _attempt(rollout_id, attempt)
+        with self._lock:
+            self._state.forget(key)
+        self._broadcast("forget", {"capture_key": key})
+        return {"forgotten": key}
+
+    def restore(self, records: Any) -> dict[str, Any]:
+        """Import checkpoint records once, under each episode's next attempt, and offer their
+        cuts to every worker.  Refused once a worker has left or any worker served a call."""
+        replies = self._broadcast("snapshot", {"checkpoint_id": None})
+        served = sum(r.get("served", 0) for r in replies.values() if isinstance(r, dict))
+        with self._lock:
+            result = self._state.restore(records, served)
+            retired = sorted(self._state.retired)
+            update = self._restored_update()
+        self._broadcast("mark", {"capture_keys": retired})
+        self._broadcast("restored_pending", update)
+        return result
+
+    def _control_prepare(self, body: dict[str, Any]) -> Any:
+        timeout = body.get("timeout", 5.0)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 3600:
+            raise FrameError("prepare timeout must be a number of seconds in [0, 3600]")
+        return self.prepare(body.get("checkpoint_id"), timeout=float(timeout))  # type: ignore[arg-type]
+
+    # --- talking to every worker ----------------------------------------------------------------
+
+    def _broadcast(
+        self, kind: str, body: Any, *, exclude: int | None = None, timeout: float | None = None
+    ) -> dict[int, Any]:
+        """Send ``kind`` to every registered worker at once; each reply, or the error it got."""
+        with self._lock:
+            targets = [(index, peer) for index, peer in self._by_index.items() if index != exclude]
+        replies: dict[int, Any] = {}
+
+        def ask(index: int, peer: Peer) -> None:
+            try:
+                replies[index] = peer.request(kind, body, timeout=timeout)
+            except CoordinatorError as exc:
+                replies[index] = exc
+
+        threads = [threading.Thread(target=ask, args=target, daemon=True) for target in targets[1:]]
+        for thread in threads:
+            thread.start()
+        if targets:
+            ask(*targets[0])
+        for thread in threads:
+            thread.join()
+        return replies
+
+
+_HANDLERS: dict[str, Callable[[Coordinator, int, Any], Any]] = {
+    "report": Coordinator._report,
+    "deregister": Coordinator._deregister,
+    "claim_cut": Coordinator._claim_cut,
+    "return_cut": Coordinator._return_cut,
+    "control": Coordinator._control,
+}
+
+
+def _control_dispatch() -> dict[str, Callable[[Coordinator, dict[str, Any]], Any]]:
+    return {
+        "prepare": Coordinator._control_prepare,
+        "commit": lambda c, b: c.commit(b.get("checkpoint_id")),
+        "resume": lambda c, b: c.resume(),
+        "retire": lambda c, b: c.retire(b.get("rollout_id"), b.get("attempt")),
+        "forget": lambda c, b: c.forget(b.get("rollout_id"), b.get("attempt")),
+        "restore": lambda c, b: c.restore(b.get("records")),
+        "status": lambda c, b: c.status(),
+    }
+
+
+_CONTROL = _control_dispatch()
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise FrameError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _attempt(rollout_id: Any, attempt: Any) -> str:
+    from store.cut_records import capture_key
+
+    rollout_id = _text("rollout_id", rollout_id)
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise FrameError(f"attempt must be an integer >= 0, got {attempt!r}")
+    return capture_key(rollout_id, attempt)
+
+
+def _call_of(body: Any) -> tuple[str, str]:
+    if not isinstance(body, dict):
+        raise FrameError("expected {'capture_key': ..., 'model_call_id': ...}")
+    return _text("capture_key", body.get("capture_key")), _text("model_call_id", body.get("model_call_id"))
+
+
+def _same_user(sock: socket.socket) -> bool:
+    """Whether the connecting process runs as this user (Linux ``SO_PEERCRED``; elsewhere, trust 0600)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return True
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i")))
+    except OSError:
+        return False
+    return bool(uid == os.getuid())

@@ -1,0 +1,100 @@
+"""Columns read back from storage take faster paths; they must judge exactly like the general ones.
+
+A mask stored in its run form (carry times +0.0, then +1.0) is checked by its known carry;
+token ids decode in one widening copy.  Each case compares the stored column's verdict with
+the same values given as floats (the general path), refusals included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from store.columns import (
+    FloatColumn,
+    TokenIds,
+    decode_floats,
+    decode_ids,
+    decode_mask,
+    encode_floats,
+    encode_ids,
+    encode_mask,
+)
+from store.digest import check_mask_and_carry
+from store.errors import DigestValueError, RebuildError
+from store.rebuild import carry_boundary
+
+FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _stored(mask: list[float], log_probs: list[float]) -> tuple[FloatColumn, FloatColumn]:
+    return (
+        decode_mask(encode_mask(FloatColumn.coerce(mask, "mask"))),
+        decode_floats(encode_floats(FloatColumn.coerce(log_probs, "log_probs"))),
+    )
+
+
+def _verdict(check: Any, *args: Any) -> tuple[str, str]:
+    try:
+        return "ok", repr(check(*args))
+    except (DigestValueError, RebuildError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+masks = st.tuples(st.integers(0, 6), st.integers(0, 6)).map(lambda ct: [0.0] * ct[0] + [1.0] * ct[1])
+carry_log_probs = st.sampled_from([0.0, -0.0, 0.5, -1e-30])
+
+
+@FAST
+@given(masks, st.lists(carry_log_probs, min_size=12, max_size=12))
+def test_a_stored_run_mask_is_checked_like_the_same_floats(mask: list[float], values: list[float]) -> None:
+    log_probs = [values[i] if flag == 0.0 else -0.25 for i, flag in enumerate(mask)]
+    stored_mask, _ = _stored(mask, log_probs)
+    assert stored_mask.stored_carry() == mask.count(0.0)  # the run form: the fast path is taken
+    general = FloatColumn.coerce(mask, "mask"), FloatColumn.coerce(log_probs, "log_probs")
+    assert general[0].stored_carry() is None  # float values: always the general path
+    assert _verdict(check_mask_and_carry, *_stored(mask, log_probs)) == _verdict(check_mask_and_carry, *general)
+    assert _verdict(carry_boundary, "call", stored_mask) == _verdict(carry_boundary, "call", general[0])
+
+
+def test_a_carry_position_with_a_log_prob_is_refused_from_storage_too() -> None:
+    mask, log_probs = _stored([0.0, 0.0, 1.0], [0.0, 0.5, -1.0])
+    with pytest.raises(DigestValueError, match="carry position"):
+        check_mask_and_carry(mask, log_probs)
+    check_mask_and_carry(*_stored([0.0, 0.0, 1.0], [-0.0, 0.0, -1.0]))  # -0.0 passes, as 6.1 says
+
+
+def test_a_stored_mask_without_generation_is_empty_generation() -> None:
+    mask, _ = _stored([0.0, 0.0], [0.0, 0.0])
+    with pytest.raises(RebuildError) as caught:
+        carry_boundary("call", mask)
+    assert caught.value.code == "empty_generation"
+
+
+def test_a_raw_stored_mask_takes_the_general_path() -> None:
+    """A mask that is not carry-then-generation is stored raw; it is judged value by value."""
+    mask = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")))
+    assert mask.stored_carry() is None
+    with pytest.raises(RebuildError) as caught:
+        carry_boundary("call", mask)
+    assert caught.value.code == "invalid_mask_order"
+
+
+@pytest.mark.parametrize("high", [2**32 - 1, 2**64 - 1])
+def test_token_ids_decode_to_the_big_endian_ids_they_encoded(high: int) -> None:
+    ids = TokenIds.coerce([0, 1, 150_000, high, 7], "ids")
+    decoded = decode_ids(encode_ids(ids))
+    assert decoded.tolist() == [0, 1, 150_000, high, 7]
+    assert decoded.big_endian().tobytes() == b"".join(v.to_bytes(8, "big") for v in decoded.tolist())
+    assert not decoded.array.flags.writeable
+
+
+def test_a_token_id_column_of_a_broken_length_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        decode_ids(b"4" + b"\x01\x02\x03")  # three bytes: no whole u32
+    assert len(decode_ids(b"4")) == 0
+    assert np.array_equal(decode_ids(b"8" + (5).to_bytes(8, "little")).array, [5])
