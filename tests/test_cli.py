@@ -27,7 +27,7 @@ from store.cli.main import COMMANDS, cli
 from store.schema import SCHEMA_REVISION
 
 SCRIPT = Path(sys.executable).with_name("staging-store")
-READ_COMMANDS = ["audit", "rollouts", "keys", "versions", "export", "replay", "lineage", "show"]
+READ_COMMANDS = ["audit", "rollouts", "keys", "versions", "export", "replay", "lineage", "show", "workers"]
 
 
 def folder_state(folder: Path) -> dict[str, str]:
@@ -106,6 +106,43 @@ def test_the_demo_cuts_kills_restores_and_verifies(demo: tuple[Path, dict[str, A
     assert [call["state"] for call in dead if call["model_call_id"] != cut] == ["completed"] * (len(dead) - 1)
     code, out, _ = run(capsys, "lineage", str(path), "run1-r0")
     assert "retired: late writes refused" in out and " staging " not in out
+
+
+def test_the_demo_runs_a_real_coordinator(demo: tuple[Path, dict[str, Any]], capsys: Any) -> None:
+    """Workers register through WorkerClient; the coordinator logs them joining, lost (SIGKILL)
+    and stopped, and its worker events in the store say which pid left which cut call in flight."""
+    path, summary = demo
+    log = summary["coordinator_log"]
+    assert sum("joined as worker" in line for line in log) == 4
+    assert sum("lost without notice" in line for line in log) == 2
+    assert sum(line.startswith("Policy worker [") and " stopped " in line for line in log) == 2
+    code, out, _ = run(capsys, "workers", str(path), "--json")
+    shaped = json.loads(out)
+    assert code == 0 and set(shaped) == {"store", "workers"} and shaped["store"] == str(path)
+    found = shaped["workers"]
+    assert set(found[0]) == {
+        "pid", "index", "state", "expected", "join_seq", "left_seq", "blocked_checkpoint", "staged_calls",
+        "in_flight_calls",
+    }  # fmt: skip
+    assert sorted(worker["state"] for worker in found) == ["lost", "lost", "stopped", "stopped"]
+    for worker in found:
+        assert f"Policy worker [{worker['pid']}]" in " ".join(log)
+    cut_calls = set()
+    for rollout in ("run1-r0", "run1-r1", "run1-r2"):
+        code, out, _ = run(capsys, "lineage", str(path), rollout, "--json")
+        for call in json.loads(out)["calls"]:
+            if call["resumes"] is not None:
+                cut_calls.add((call["resumes"]["capture_key"], call["resumes"]["model_call_id"]))
+    lost = [worker for worker in found if worker["state"] == "lost"]
+    lost_in_flight = {tuple(call) for worker in lost for call in worker["in_flight_calls"]}
+    assert lost_in_flight == cut_calls and len(cut_calls) == 3  # the dead workers left exactly the cut calls
+    assert all(worker["in_flight_calls"] == [] for worker in found if worker["state"] == "stopped")
+    fresh_staged = {tuple(call) for worker in found if worker["state"] == "stopped" for call in worker["staged_calls"]}
+    assert all(capture.endswith("-a1") for capture, _ in fresh_staged) and fresh_staged
+    code, out, _ = run(capsys, "workers", str(path), "--lost", "--json")
+    assert code == 0 and [worker["state"] for worker in json.loads(out)["workers"]] == ["lost", "lost"]
+    code, out, _ = run(capsys, "workers", str(path))
+    assert code == 0 and "4 policy worker(s)" in out and "lost" in out
 
 
 def test_a_second_demo_run_adds_to_the_store(copy: Path, capsys: Any) -> None:

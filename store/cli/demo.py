@@ -53,6 +53,7 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, as_json
         "continuations_validated": summary.continuations_validated,
         "workers_lost": summary.workers_lost,
         "workers_rejoined": summary.workers_rejoined,
+        "coordinator_log": summary.coordinator_log,
         "attempts_retired": summary.attempts_retired,
         "late_writes_refused": summary.late_writes_refused,
         "audit_ok": summary.audit_ok,
@@ -104,7 +105,10 @@ def _show(s: dict[str, Any]) -> None:
         ["tokens regenerated (decoded after the cut, lost)", s["tokens_regenerated"]],
         ["tokens decoded in cut calls after the restore", s["tokens_after_restore"]],
         ["continuations validated", s["continuations_validated"]],
-        ["workers lost (SIGKILL) / rejoined", f"{s['workers_lost']} / {s['workers_rejoined']}"],
+        [
+            "workers lost (SIGKILL) / rejoined, as the coordinator logged them",
+            f"{s['workers_lost']} / {s['workers_rejoined']}",
+        ],
         ["dead attempts retired (Store.retire)", s["attempts_retired"]],
         ["late writes from a dead attempt refused", s["late_writes_refused"]],
         ["audit", "ok" if s["audit_ok"] else f"FAILED ({s['audit_problems']} problems)"],
@@ -116,6 +120,7 @@ def _show(s: dict[str, Any]) -> None:
     store = s["store"]
     output.show(
         output.table("staging-store demo", ["", "value"], rows),
+        *[f"  coordinator: {line}" for line in s["coordinator_log"]],
         verdict,
         *[f"  [red]-[/red] {failure}" for failure in s["failures"]],
         f"store: {store}",
@@ -124,5 +129,6 @@ def _show(s: dict[str, Any]) -> None:
         f"  staging-store audit {store}",
         f"  staging-store rollouts {store}",
         f"  staging-store lineage {store} {s['run']}-r0",
+        f"  staging-store workers {store}",
         f"  staging-store export {store} | head -c 400",
     )

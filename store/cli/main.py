@@ -14,7 +14,7 @@ import click
 from store.cli import exits
 
 # Each command and where it lives (module:function); a module is imported only when its
-# command runs or its help is shown.  ``workers`` joins here when its library call lands.
+# command runs or its help is shown.
 COMMANDS = {
     "demo": "store.cli.demo:demo",
     "audit": "store.cli.check:audit",
@@ -30,6 +30,7 @@ COMMANDS = {
     "forget": "store.cli.retention:forget",
     "delete": "store.cli.retention:delete",
     "compact": "store.cli.retention:compact",
+    "workers": "store.cli.workers:workers",
 }
 
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,13 @@ from typing import Any
 from store.cut_records import GenerationCutInventory, GenerationCutPrefix, GenerationCutReceipt
 from store.demo.engine import ToyEngine
 from store.records import from_json, to_json
-from store.store import open_store
+from store.store import Store, open_store
 
 TURNS = 3  # calls per rollout; the cut lands in turn 1 or 2
 CHECKPOINT = "checkpoint-1"
 POLICY_VERSION = 1  # the dead workers' weights; the fresh ones serve the checkpoint's version 2
 REPLY_TIMEOUT = 120.0
+LOG_TIMEOUT = 30.0  # for the coordinator to log a worker joining or lost
 LIMITS = {"rollouts": (1, 64), "workers": (1, 8), "tokens": (8, 4096)}
 
 Step = Callable[[str], object]
@@ -34,26 +37,64 @@ class DemoError(Exception):
     """Something in the demo did not go as it must (a worker failed, a check did not verify)."""
 
 
-class Events:
-    """What the coordinator observes: workers joining and lost, attempts superseded.
+class Events(logging.Handler):
+    """What the coordinator observes: workers joining and lost (its log lines), attempts superseded.
 
-    The seam for the coordinator (issue 9: its worker join/lost log).  The superseded attempts
-    are retired with ``Store.retire`` once every cut call has been continued (``_retire``).
+    A handler on the ``store.coordinator`` logger: the real ``Coordinator`` (issue 9) logs each
+    worker joining and each one lost without notice; those lines are counted here and shown
+    as demo steps.  The superseded attempts are retired with ``Store.retire`` once every cut
+    call has been continued (``_retire``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, say: Step) -> None:
+        super().__init__(logging.INFO)
         self.joined: list[int] = []
         self.lost: list[int] = []
         self.superseded: list[str] = []
+        self.lines: list[str] = []
+        self._say = say
+        self._changed = threading.Condition()
 
-    def worker_joined(self, pid: int) -> None:
-        self.joined.append(pid)
+    def emit(self, record: logging.LogRecord) -> None:
+        pid = getattr(record, "worker_pid", None)
+        line = record.getMessage()
+        with self._changed:
+            self.lines.append(line)
+            if isinstance(pid, int) and "joined as worker" in line:
+                self.joined.append(pid)
+            elif isinstance(pid, int) and record.levelno >= logging.WARNING and "lost without notice" in line:
+                self.lost.append(pid)
+            self._changed.notify_all()
+        self._say(f"coordinator: {line}")
 
-    def worker_lost(self, pid: int) -> None:
-        self.lost.append(pid)
+    def wait(self, seen: Callable[[], bool], timeout: float) -> bool:
+        """Wait until the coordinator has logged what ``seen`` looks for."""
+        with self._changed:
+            return self._changed.wait_for(seen, timeout)
 
     def attempt_superseded(self, capture_key: str) -> None:
         self.superseded.append(capture_key)
+
+
+@contextlib.contextmanager
+def coordinator(path: str, workers: int, events: Events) -> Iterator[tuple[str, Store]]:
+    """A real checkpoint coordinator (``store.coordinator``) logging worker events into the
+    store; yields its socket path (for the workers' ``WorkerClient.connect``) and the store."""
+    from store.coordinator import Coordinator
+
+    logger = logging.getLogger("store.coordinator")
+    level = logger.level
+    logger.addHandler(events)
+    logger.setLevel(logging.INFO)
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="staging-demo-"), "coordinator.sock")
+    try:
+        with open_store(path) as store, Coordinator(socket_path, expected_workers=workers, store=store):
+            yield socket_path, store
+    finally:
+        logger.removeHandler(events)
+        logger.setLevel(level)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(socket_path))
 
 
 @dataclass
@@ -69,8 +110,9 @@ class Summary:
     tokens_regenerated: int = 0  # decoded before the kill, after the cut: lost, decoded again
     tokens_after_restore: int = 0  # decoded by the fresh workers in the cut calls (regenerated included)
     continuations_validated: int = 0
-    workers_lost: int = 0
-    workers_rejoined: int = 0
+    workers_lost: int = 0  # lost without notice, as the coordinator logged them
+    workers_rejoined: int = 0  # fresh workers the coordinator logged joining
+    coordinator_log: list[str] = field(default_factory=list)  # its join/stop/lost lines
     attempts_retired: int = 0  # dead attempts' capture keys fenced with Store.retire
     late_writes_refused: int = 0  # a late write from a dead attempt, refused by its fence
     audit_ok: bool = False
@@ -193,126 +235,135 @@ def run_demo(path: str, *, rollouts: int, workers: int, tokens: int, seed: int, 
     summary = Summary(
         store=str(Path(path).resolve()), export=str(Path(export_path).resolve()), run=run, rollouts=rollouts
     )
-    events = Events()
+    events = Events(say)
     started_workers: list[Worker] = []
     try:
-        say(f"starting {workers} workers (attempt 0, policy version {POLICY_VERSION})")
-        first = [
-            Worker(
-                path,
-                {
-                    "phase": "serve",
-                    "seed": seed,
-                    "tokens": tokens,
-                    "turns": TURNS,
-                    "version": POLICY_VERSION,
-                    "rollouts": share,
-                },
-            )
-            for share in shares
-        ]
-        started_workers += first
-        inflight = [worker.expect("inflight") for worker in first]
-        for report in inflight:
-            events.worker_joined(report["pid"])
-        say(f"{CHECKPOINT}: cutting {rollouts} calls mid-decoding")
-        acks: dict[str, str] = {}
-        for number, (worker, report) in enumerate(zip(first, inflight, strict=True)):
-            inventory = GenerationCutInventory.build(
-                checkpoint_id=CHECKPOINT,
-                server_name=f"worker-{number}",
-                active_prefixes=[
-                    GenerationCutPrefix(
-                        ticket_id=f"ticket-{call['rollout_id']}",
-                        rollout_id=call["rollout_id"],
-                        attempt_index=0,
-                        model_call_id=call["model_call_id"],
-                        admitted_at=float(call["admitted_at"]),
-                    )
-                    for call in report["calls"]
-                ],
-            )
-            worker.send(to_json(inventory).decode())
-            receipt = from_json(worker.expect("receipt")["receipt"].encode(), GenerationCutReceipt)
-            receipt.validate_for(inventory)
-            for ack in receipt.prefixes:
-                acks[ack.rollout_id] = to_json(ack).decode()
-            summary.tokens_regenerated += int(worker.expect("decoding")["lost"])
-        say(f"killing every worker with SIGKILL ({len(first)} processes)")
-        for worker in first:
-            if worker.kill() == -signal.SIGKILL:
-                events.worker_lost(worker.process.pid)
-                summary.workers_lost += 1
-            else:
-                summary.failures.append(f"worker {worker.process.pid} was not killed by SIGKILL")
-        say(f"starting {workers} fresh workers (attempt 1, policy version {POLICY_VERSION + 1})")
-        fresh = [
-            Worker(
-                path,
-                {
-                    "phase": "resume",
-                    "seed": seed,
-                    "tokens": tokens,
-                    "turns": TURNS,
-                    "version": POLICY_VERSION + 1,
-                    "rollouts": [dict(plan, ack=acks[plan["rollout_id"]]) for plan in share],
-                },
-            )
-            for share in shares
-        ]
-        started_workers += fresh
-        for worker, share in zip(fresh, shares, strict=True):
-            for _ in share:
-                done = worker.expect("done")
-                summary.tokens_reused += done["restored"]
-                summary.tokens_after_restore += done["decoded"]
-                summary.continuations_validated += 1 if done["restored"] else 0
-                events.attempt_superseded(done["rollout_id"])
-            if worker.process.wait(timeout=REPLY_TIMEOUT) == 0:
-                events.worker_joined(worker.process.pid)
-                summary.workers_rejoined += 1
-            else:
-                summary.failures.append(f"fresh worker {worker.process.pid} exited {worker.process.returncode}")
-        say(f"retiring the dead attempt of {len(events.superseded)} rollouts; one late write tried")
-        _retire(path, events.superseded, plans[0], engine, summary)
+        with coordinator(path, workers, events) as (socket_path, store):
+            _serve_crash_restore(path, socket_path, store, events, engine, plans, shares, started_workers, summary, say)
     finally:
         for worker in started_workers:
             worker.close()
+    summary.coordinator_log = list(events.lines)
     _verify(path, export_path, engine, plans, summary, say)
     summary.seconds = round(time.perf_counter() - started, 2)
     return summary
 
 
-def _retire(path: str, superseded: list[str], plan: dict[str, Any], engine: ToyEngine, summary: Summary) -> None:
+def _serve_crash_restore(
+    path: str,
+    socket_path: str,
+    store: Store,
+    events: Events,
+    engine: ToyEngine,
+    plans: list[dict[str, Any]],
+    shares: list[list[dict[str, Any]]],
+    started_workers: list[Worker],
+    summary: Summary,
+    say: Step,
+) -> None:
+    """Attempt 0 serves and is cut, every worker is killed, attempt 1 restores; then the dead
+    attempt is retired.  Workers register with the coordinator at ``socket_path``."""
+    job = {"seed": engine.seed, "tokens": engine.tokens, "turns": TURNS, "socket": socket_path}
+    workers = len(shares)
+    say(f"starting {workers} workers (attempt 0, policy version {POLICY_VERSION})")
+    first = [Worker(path, dict(job, phase="serve", version=POLICY_VERSION, rollouts=share)) for share in shares]
+    started_workers += first
+    inflight = [worker.expect("inflight") for worker in first]
+    say(f"{CHECKPOINT}: cutting {len(plans)} calls mid-decoding")
+    acks: dict[str, str] = {}
+    for number, (worker, report) in enumerate(zip(first, inflight, strict=True)):
+        inventory = GenerationCutInventory.build(
+            checkpoint_id=CHECKPOINT,
+            server_name=f"worker-{number}",
+            active_prefixes=[
+                GenerationCutPrefix(
+                    ticket_id=f"ticket-{call['rollout_id']}",
+                    rollout_id=call["rollout_id"],
+                    attempt_index=0,
+                    model_call_id=call["model_call_id"],
+                    admitted_at=float(call["admitted_at"]),
+                )
+                for call in report["calls"]
+            ],
+        )
+        worker.send(to_json(inventory).decode())
+        receipt = from_json(worker.expect("receipt")["receipt"].encode(), GenerationCutReceipt)
+        receipt.validate_for(inventory)
+        for ack in receipt.prefixes:
+            acks[ack.rollout_id] = to_json(ack).decode()
+        summary.tokens_regenerated += int(worker.expect("decoding")["lost"])
+    say(f"killing every worker with SIGKILL ({len(first)} processes)")
+    killed = []
+    for worker in first:
+        if worker.kill() == -signal.SIGKILL:
+            killed.append(worker.process.pid)
+        else:
+            summary.failures.append(f"worker {worker.process.pid} was not killed by SIGKILL")
+    events.wait(lambda: set(killed) <= set(events.lost), LOG_TIMEOUT)
+    summary.workers_lost = len(set(killed) & set(events.lost))
+    if summary.workers_lost != len(first):
+        summary.failures.append(f"the coordinator logged {summary.workers_lost} of {len(first)} killed workers lost")
+    say(f"starting {workers} fresh workers (attempt 1, policy version {POLICY_VERSION + 1})")
+    fresh = [
+        Worker(
+            path,
+            dict(
+                job,
+                phase="resume",
+                version=POLICY_VERSION + 1,
+                rollouts=[dict(plan, ack=acks[plan["rollout_id"]]) for plan in share],
+            ),
+        )
+        for share in shares
+    ]
+    started_workers += fresh
+    for worker, share in zip(fresh, shares, strict=True):
+        for _ in share:
+            done = worker.expect("done")
+            summary.tokens_reused += done["restored"]
+            summary.tokens_after_restore += done["decoded"]
+            summary.continuations_validated += 1 if done["restored"] else 0
+            events.attempt_superseded(done["rollout_id"])
+        if worker.process.wait(timeout=REPLY_TIMEOUT) != 0:
+            summary.failures.append(f"fresh worker {worker.process.pid} exited {worker.process.returncode}")
+    pids = {worker.process.pid for worker in fresh}
+    events.wait(lambda: pids <= set(events.joined), LOG_TIMEOUT)
+    summary.workers_rejoined = len(pids & set(events.joined))
+    if summary.workers_rejoined != len(fresh):
+        summary.failures.append(f"the coordinator logged {summary.workers_rejoined} of {len(fresh)} fresh workers")
+    say(f"retiring the dead attempt of {len(events.superseded)} rollouts; one late write tried")
+    _retire(store, events.superseded, plans[0], engine, summary)
+
+
+def _retire(store: Store, superseded: list[str], plan: dict[str, Any], engine: ToyEngine, summary: Summary) -> None:
     """Fence the dead attempt's capture keys, then play its worker once more: a zombie of
     attempt 0 admits and finishes its cut call.  The fence must refuse it and write nothing."""
     from store.capture import RolloutTokenCapture
     from store.demo.worker import Turns
     from store.errors import RolloutFencedError
 
-    with open_store(path) as store:
-        retired = store.retire(superseded)
-        summary.attempts_retired = len(retired.removed)
-        if retired.absent:
-            summary.failures.append(f"retired capture keys that held nothing: {', '.join(retired.absent)}")
-        capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: POLICY_VERSION, flush_interval=3600.0)
-        dead = plan["rollout_id"]
-        try:
-            turns = Turns(capture, engine, plan["index"], dead)
-            chain = store.fetch([f"{dead}/c{turn}" for turn in range(plan["cut_turn"])])
-            turns.history = [int(token) for record in chain for token in record.token_ids_delta]
-            turns.parent = (chain[-1].model_call_id, chain[-1].chain_hash)
-            before = store.call(dead, f"c{plan['cut_turn']}")
-            turns.play(plan["cut_turn"])
-        except RolloutFencedError:
-            if store.call(dead, f"c{plan['cut_turn']}") == before:
-                summary.late_writes_refused += 1
-            else:
-                summary.failures.append(f"{dead}: a refused late write changed the call")
+    retired = store.retire(superseded)
+    summary.attempts_retired = len(retired.removed)
+    if retired.absent:
+        summary.failures.append(f"retired capture keys that held nothing: {', '.join(retired.absent)}")
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: POLICY_VERSION, flush_interval=3600.0)
+    dead = plan["rollout_id"]
+    try:
+        turns = Turns(capture, engine, plan["index"], dead)
+        chain = store.fetch([f"{dead}/c{turn}" for turn in range(plan["cut_turn"])])
+        turns.history = [int(token) for record in chain for token in record.token_ids_delta]
+        turns.parent = (chain[-1].model_call_id, chain[-1].chain_hash)
+        before = store.call(dead, f"c{plan['cut_turn']}")
+        turns.play(plan["cut_turn"])
+    except RolloutFencedError:
+        if store.call(dead, f"c{plan['cut_turn']}") == before:
+            summary.late_writes_refused += 1
         else:
-            summary.failures.append(f"{dead}: a late write from the retired attempt was accepted")
-        finally:
-            capture.close()
+            summary.failures.append(f"{dead}: a refused late write changed the call")
+    else:
+        summary.failures.append(f"{dead}: a late write from the retired attempt was accepted")
+    finally:
+        capture.close()
 
 
 def _verify(

@@ -1,5 +1,8 @@
 """One demo worker process (``python -m store.demo.worker STORE JOB``), talking JSON lines.
 
+With ``"socket"`` in the job, the worker first registers with the demo's checkpoint
+coordinator (``WorkerClient.connect``) and says goodbye (``stop``) when it is done.
+
 Attempt 0 (``"phase": "serve"``): for each rollout, completes the turns before its cut turn,
 admits the cut turn and decodes part of it (flushing chunks as it goes), reports its
 in-flight calls (``inflight``), then waits for the coordinator's cut inventory on stdin,
@@ -180,6 +183,11 @@ def main(argv: list[str]) -> int:
     path, job = argv[0], json.loads(argv[1])
     engine = ToyEngine(job["seed"], job["tokens"], job["turns"])
     version = job["version"]
+    client = None
+    if job.get("socket"):  # register with the coordinator: it logs this pid joining, stopping or lost
+        from store.coordinator import WorkerClient
+
+        client = WorkerClient.connect(job["socket"])
     with open_store(path) as store:
         capture = RolloutTokenCapture(
             store=store,
@@ -194,6 +202,8 @@ def main(argv: list[str]) -> int:
                 resume(job, capture, engine)
         finally:
             capture.close()
+    if client is not None:
+        client.stop()  # the clean goodbye (a killed worker never says it: the coordinator logs it lost)
     return 0
 
 

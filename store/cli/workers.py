@@ -1,0 +1,76 @@
+"""``workers``: the policy worker processes the coordinator logged, and the calls each staged or left in flight."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from store.cli import exits, output
+from store.cli.opening import STORE_HELP, read_only, shown, store_argument
+
+if TYPE_CHECKING:
+    from store.coordinator.history import PolicyWorker
+
+
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store workers demo-store/demo.db\n\n"
+    "  staging-store workers demo-store/demo.db --lost --json",
+)
+@store_argument
+@click.option("--lost", is_flag=True, help="Only workers lost without notice.  [default: every worker]")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def workers(store: str | None, lost: bool, as_json: bool) -> int:
+    """List the policy worker processes by pid: state, the calls each staged, and what a lost one left in flight.
+
+    Read from the worker events the checkpoint coordinator logs (joined, stopped, lost); a
+    call belongs to the worker whose process wrote it.  The store is opened read-only.
+    """
+    with read_only(store) as opened:
+        found = opened.workers()
+        where = shown(opened)
+    chosen = [worker for worker in found if worker.state == "lost"] if lost else found
+    shaped = {"store": where, "workers": [worker_json(worker) for worker in chosen]}
+    if as_json:
+        output.emit_json(shaped)
+        return exits.OK
+    output.show(
+        output.table(
+            f"{len(chosen)} policy worker(s)",
+            ["pid", "index", "state", "staged calls", "in flight when it left", "blocked checkpoint"],
+            [
+                [
+                    worker.pid,
+                    worker.index,
+                    worker.state,
+                    _calls(worker.staged_calls),
+                    _calls(worker.in_flight_calls),
+                    worker.blocked_checkpoint,
+                ]
+                for worker in chosen
+            ],
+        ),
+        f"store: {where}",
+    )
+    return exits.OK
+
+
+def worker_json(worker: PolicyWorker) -> dict[str, Any]:
+    return {
+        "pid": worker.pid,
+        "index": worker.index,
+        "state": worker.state,
+        "expected": worker.expected,
+        "join_seq": worker.join_seq,
+        "left_seq": worker.left_seq,
+        "blocked_checkpoint": worker.blocked_checkpoint,
+        "staged_calls": [list(call) for call in worker.staged_calls],
+        "in_flight_calls": [list(call) for call in worker.in_flight_calls],
+    }
+
+
+def _calls(calls: tuple[tuple[str, str], ...]) -> str | None:
+    if not calls:
+        return None
+    names = [f"{capture}/{call}" for capture, call in calls]
+    return ", ".join(names[:6]) + (f" ... ({len(names)})" if len(names) > 6 else "")
