@@ -101,6 +101,7 @@ from store.routes import (
     decode_routed_experts,
     encode_routed_experts,
 )
+from store.shipping import EventOrigin, ShipProblem, ShipReport
 from store.store import StageEntry, Store, open_store
 from store.terminal import (
     ASSISTANT_FINGERPRINT_VERSION,
@@ -112,6 +113,9 @@ from store.terminal import (
 )
 
 __all__ = [
+    "EventOrigin",
+    "ShipProblem",
+    "ShipReport",
     "ASSISTANT_FINGERPRINT_VERSION",
     "ActiveCall",
     "AdmissionTypeError",

@@ -50,6 +50,7 @@ class NewEvent:
     body: msgspec.Struct
     staging_key: str | None = None
     columns: PackedColumns | None = None
+    recorded_at: float | None = None  # None: now; a shipped event keeps its origin's time
 
 
 class _Statements:
@@ -116,6 +117,14 @@ class WriteTransaction:
         self._sql = statements
         self._pid = os.getpid()
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
+        self.last_seq: int | None = None  # the sequence number of the last event appended
+
+    def run(self, statement: Statement, values: dict[str, Any]) -> Any:
+        """Run another module's compiled statement in this transaction (log shipping's bookkeeping)."""
+        return self._execute(statement, values)
+
+    def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
+        self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -152,7 +161,7 @@ class WriteTransaction:
             "kind": new.kind.value,
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
-            "recorded_at": time.time(),
+            "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
             "body": encode_body(new.body),
             "token_ids": None if columns is None else encode_ids(columns.token_ids),
             "token_mask": None if columns is None else encode_mask(columns.token_mask),
@@ -162,6 +171,7 @@ class WriteTransaction:
         row = self._execute(self._sql.insert_event, stored).fetchone()
         seq = int(row[0])
         self.appended += 1
+        self.last_seq = seq
         event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
         return seq
