@@ -27,7 +27,7 @@ Progress = Callable[[int, int], object]
 BATCH_EVENTS = 128
 
 
-def ship_log(source: Store, target: Store, progress: Progress | None, batch_events: int = BATCH_EVENTS) -> ShipReport:
+def ship_log(source: Store, target: Store, progress: Progress | None) -> ShipReport:
     source_id = source._known_id()
     statements = ShipStatements(target._engine)
     # The target's log refuses a closed store here, before anything of it is read.
@@ -42,7 +42,7 @@ def ship_log(source: Store, target: Store, progress: Progress | None, batch_even
         total = count_after(connection, start)
         connection.rollback()
         _report(progress, 0, total)
-        for batch in batches(connection, source_id, start, batch_events):
+        for batch in batches(connection, source_id, start, BATCH_EVENTS):
             verified, bad = _until_unshippable(batch)
             received, problem = _ship_batch(target, statements, source_id, target_id, verified)
             totals["appended"] += received.appended
