@@ -38,12 +38,15 @@ def _completion(store: Store, rollout_id: str, model_call_id: str, same_times: b
     return completion if completion is None or same_times else replace(completion, recorded_at=0.0)
 
 
-def assert_target_reads_like_source(source: Store, target: Store, *, same_times: bool = True) -> None:
+def assert_target_reads_like_source(
+    source: Store, target: Store, *, same_times: bool = True, only_source: bool = True
+) -> None:
     """Every call, key, record, completion, lineage and linearized row of ``source`` reads the
     same in ``target``, which audits clean; every source event's identity is in the target once.
 
     ``same_times=False``: another origin shipped some identical records first, so their
-    completion times are that origin's.
+    completion times are that origin's.  ``only_source``: the target holds nothing else, so
+    its live keys are exactly the source's (a key withdrawn in the source is gone there too).
     """
     for call in source.calls():
         assert target.call(call.rollout_id, call.model_call_id) == call
@@ -52,6 +55,11 @@ def assert_target_reads_like_source(source: Store, target: Store, *, same_times:
     keys = staged_keys(source)
     target_keys = staged_keys(target)
     assert {key: target_keys.get(key) for key in keys} == keys
+    if only_source:
+        assert target_keys == keys
+        assert {(c.rollout_id, c.model_call_id) for c in target.calls()} == {
+            (c.rollout_id, c.model_call_id) for c in source.calls()
+        }
     if keys:
         wanted = sorted(keys)
         for mine, theirs in zip(source.fetch(wanted), target.fetch(wanted), strict=True):
