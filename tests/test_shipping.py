@@ -119,6 +119,27 @@ def test_a_conflict_is_refused_and_reported_never_merged(store_url: str, tmp_pat
         assert target.audit().ok
 
 
+def test_another_receipt_for_the_same_inventory_is_a_conflict(store_url: str, tmp_path: Path) -> None:
+    digest = "ab" * 32
+    with (
+        open_store(str(tmp_path / "a.db")) as a,
+        open_store(str(tmp_path / "b.db")) as b,
+        open_store(store_url) as target,
+    ):
+        a.stage_all([], cut_receipt=("ckpt", digest, b'{"receipt": "a"}'))
+        b.stage_all([], cut_receipt=("ckpt", digest, b'{"receipt": "b"}'))
+        c_receipt = b'{"receipt": "a"}'
+        assert a.ship(target).ok
+        report = b.ship(target)
+        [problem] = report.problems
+        assert problem.code == "conflict" and "another receipt" in problem.reason
+        assert target.cut_receipt("ckpt", digest) == c_receipt
+        with open_store(str(tmp_path / "c.db")) as c:
+            c.stage_all([], cut_receipt=("ckpt", digest, c_receipt))
+            same = c.ship(target)
+            assert (same.ok, same.appended, same.present) == (True, 0, 1)  # the identical receipt
+
+
 def test_a_damaged_source_event_stops_the_ship_before_it(store_url: str, tmp_path: Path) -> None:
     with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
         for name in ("r1", "r2", "r3"):

@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from store import schema
 from store.engine import Statement
 from store.errors import StoreError
-from store.events import RECORD_KINDS, CutReceiptBody, EventKind, KeysClearedBody
+from store.events import RECORD_KINDS, CutReceiptBody, EventKind, KeysClearedBody, decode_body
 from store.log import NewEvent, WriteTransaction
 from store.shipping.source import SourceEvent
 from store.store import _owned, _stage
@@ -73,6 +74,16 @@ class ShipStatements:
             ),
             engine,
         )
+        events, receipts = schema.events, schema.cut_receipts
+        self.receipt_body = Statement(
+            sa.select(events.c.body)
+            .select_from(receipts.join(events, events.c.seq == receipts.c.event_seq))
+            .where(
+                receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
+                receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
+            ),
+            engine,
+        )
         self.insert_shipped = Statement(
             sa.insert(shipped).values({c: sa.bindparam(c.name) for c in shipped.c}), engine
         )
@@ -102,7 +113,7 @@ def receive(
             received.present += 1
         else:
             try:
-                outcome = _apply(tx, item)
+                outcome = _apply(tx, statements, item)
             except StoreError as exc:
                 raise Refused(index, exc) from exc
             if isinstance(outcome, str):
@@ -143,7 +154,7 @@ def _already_here(
     return here
 
 
-def _apply(tx: WriteTransaction, item: SourceEvent) -> int | str | None:
+def _apply(tx: WriteTransaction, statements: ShipStatements, item: SourceEvent) -> int | str | None:
     """Append one event as staging would: its seq, None if nothing was needed, or a conflict's reason."""
     new = item.event
     before = tx.appended
@@ -164,6 +175,22 @@ def _apply(tx: WriteTransaction, item: SourceEvent) -> int | str | None:
         assert isinstance(body, CutReceiptBody)
         if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None:
             tx.append(new)
+        elif _receipt_here(tx, statements, body) != body.receipt:
+            return (
+                f"checkpoint {body.checkpoint_id!r} already has another receipt for inventory "
+                f"{body.inventory_digest[:16]}... in the target"
+            )
     else:  # admissions and failures are appended as they come, as the capture appends them
         tx.append(new)
     return tx.last_seq if tx.appended > before else None
+
+
+def _receipt_here(tx: WriteTransaction, statements: ShipStatements, body: CutReceiptBody) -> bytes | None:
+    """The receipt bytes the target returned for this inventory (None if its event is unreadable)."""
+    values = {"checkpoint_id": body.checkpoint_id, "inventory_digest": body.inventory_digest}
+    row = tx.run(statements.receipt_body, values).fetchone()
+    try:
+        stored = decode_body(EventKind.CUT_RECEIPT, bytes(row[0]))
+    except (TypeError, ValueError, msgspec.DecodeError):
+        return None
+    return bytes(stored.receipt)

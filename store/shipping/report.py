@@ -9,9 +9,10 @@ from dataclasses import dataclass
 class ShipProblem:
     """Why shipping stopped at one event of the source.
 
-    ``code``: ``conflict`` (the target holds a different record under the key, or the key
-    belongs to another call), ``refused`` (the target's write checks refused the event),
-    ``corrupt`` (the source event failed its checksum, digest or decoding).
+    ``code``: ``conflict`` (the target holds a different record under the key, the key
+    belongs to another call, or the inventory has another cut receipt), ``refused`` (the
+    target's write checks refused the event), ``corrupt`` (the source event failed its
+    checksum, digest or decoding).
     """
 
     code: str
