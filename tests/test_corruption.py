@@ -201,7 +201,9 @@ def test_random_byte_flips_in_the_file_never_serve_a_wrong_record(tmp_path: Path
     data, expected = sample_file(tmp_path)
     trials = run_file_trials(data, expected, tmp_path, flipper(random.Random(6)), FILE_TRIALS)
     assert trials.violations == [], "\n".join(trials.violations[:20])
-    assert trials.planted == FILE_TRIALS and trials.found > FILE_TRIALS // 4
+    # About a fifth of the flips are noticed: since migration 0005 the file also holds the
+    # (here empty) pages of the log-shipping tables, where a flip changes nothing any read uses.
+    assert trials.planted == FILE_TRIALS and trials.found >= FILE_TRIALS // 5
 
 
 def test_an_undamaged_copy_probes_clean(tmp_path: Path) -> None:
