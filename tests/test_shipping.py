@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,28 @@ def test_a_second_ship_sends_only_what_is_new(store_url: str, tmp_path: Path) ->
         assert (later.read, later.appended, later.last_seq) == (1, 1, 4)
         assert raw_event_count(target) == 4
         assert_target_reads_like_source(source, target)
+
+
+def test_two_ships_of_one_source_at_once_append_each_event_once(store_url: str, tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "worker.db"), durability="normal") as source:
+        source.stage_all([_entry(f"r{n}") for n in range(300)])
+    targets = [open_store(store_url) for _ in range(2)]  # two connections: the batches race
+    sources = [open_store(str(tmp_path / "worker.db")) for _ in range(2)]
+    reports: list[object] = []
+    threads = [
+        threading.Thread(target=lambda s=s, t=t: reports.append(s.ship(t)))  # type: ignore[misc]
+        for s, t in zip(sources, targets, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sum(report.appended for report in reports) == 300  # type: ignore[attr-defined]
+    assert all(report.ok for report in reports)  # type: ignore[attr-defined]
+    assert raw_event_count(targets[0]) == 300
+    assert_target_reads_like_source(sources[0], targets[0])
+    for opened in (*sources, *targets):
+        opened.close()
 
 
 def test_several_workers_ship_into_one_target(store_url: str, tmp_path: Path) -> None:
