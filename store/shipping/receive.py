@@ -26,11 +26,11 @@ from store.store import _owned, _stage
 
 
 class Refused(Exception):
-    """The target refused event ``index`` of the batch by raising: the batch is rolled back."""
+    """The target refused source event ``source_seq`` by raising: the batch is rolled back."""
 
-    def __init__(self, index: int, error: StoreError) -> None:
+    def __init__(self, source_seq: int, error: StoreError) -> None:
         super().__init__(str(error))
-        self.index = index
+        self.source_seq = source_seq
         self.error = error
 
 
@@ -41,7 +41,7 @@ class Received:
     appended: int = 0
     present: int = 0
     last_seq: int | None = None  # the source's resume point after the batch (None: unchanged)
-    conflict: tuple[int, str] | None = None  # (index in the batch, reason): stopped there
+    conflict: tuple[int, str] | None = None  # (source seq, reason): stopped there
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -107,7 +107,7 @@ def receive(
     # Another ship of the same source may have committed these first: skip what it did.
     items = [item for item in items if known is None or item.source_seq > known]
     here = _already_here(tx, statements, target_store_id, items)
-    for index, item in enumerate(items):
+    for item in items:
         origin = (item.origin.store_id, item.origin.seq)
         if origin in here:
             received.present += 1
@@ -115,9 +115,9 @@ def receive(
             try:
                 outcome = _apply(tx, statements, item)
             except StoreError as exc:
-                raise Refused(index, exc) from exc
+                raise Refused(item.source_seq, exc) from exc
             if isinstance(outcome, str):
-                received.conflict = (index, outcome)
+                received.conflict = (item.source_seq, outcome)
                 break
             if outcome is None:
                 received.present += 1

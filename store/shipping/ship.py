@@ -94,14 +94,18 @@ def _ship_batch(
     try:
         received = target._write(work(items))
     except Refused as refused:
-        received = target._write(work(items[: refused.index])) if refused.index else Received()
-        received.conflict = (refused.index, str(refused.error))
+        before = [item for item in items if item.source_seq < refused.source_seq]
+        received = target._write(work(before)) if before else Received()
         code = "conflict" if isinstance(refused.error, InvalidRecordError) else "refused"
-        return received, _problem(code, items[refused.index], str(refused.error))
+        return received, _problem(code, _at(items, refused.source_seq), str(refused.error))
     if received.conflict is not None:
-        index, reason = received.conflict
-        return received, _problem("conflict", items[index], reason)
+        source_seq, reason = received.conflict
+        return received, _problem("conflict", _at(items, source_seq), reason)
     return received, None
+
+
+def _at(items: list[SourceEvent], source_seq: int) -> SourceEvent:
+    return next(item for item in items if item.source_seq == source_seq)
 
 
 def _problem(code: str, item: SourceEvent, reason: str) -> ShipProblem:
