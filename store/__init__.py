@@ -135,6 +135,7 @@ if TYPE_CHECKING:
         decode_routed_experts,
         encode_routed_experts,
     )
+    from store.shipping import EventOrigin, ShipProblem, ShipReport
     from store.store import StageEntry, Store, open_store
     from store.terminal import (
         ASSISTANT_FINGERPRINT_VERSION,
@@ -147,6 +148,9 @@ if TYPE_CHECKING:
 
 # Each public name and the module that defines it (a test checks this against ``__all__``).
 _MODULES = {
+    "EventOrigin": "store.shipping",
+    "ShipProblem": "store.shipping",
+    "ShipReport": "store.shipping",
     "CheckpointStateError": "store.coordinator",
     "Coordinator": "store.coordinator",
     "CoordinatorError": "store.coordinator",
@@ -271,6 +275,9 @@ _MODULES = {
 }
 
 __all__ = [
+    "EventOrigin",
+    "ShipProblem",
+    "ShipReport",
     "CheckpointStateError",
     "Coordinator",
     "CoordinatorError",

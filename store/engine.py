@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import sqlite3
 import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +34,9 @@ BUSY_TIMEOUT_MS = 60_000
 # autocheckpoint (about 4 MiB); a long reader lets it grow past this until the reader ends.
 WAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
 _PG_WRITE_LOCK = 0x5354_4147  # advisory lock id: one writer at a time, as on SQLite
+# A schema name the store accepts: a plain lower-case identifier, so it needs no quoting
+# rules beyond double quotes and means the same to every tool (psql, pg_dump, alembic).
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,47 @@ class Backend:
 
 
 SQLITE = Backend("sqlite", "BEGIN IMMEDIATE")
-POSTGRESQL = Backend(
-    "postgresql",
-    f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK})",
-    begin_snapshot_sql="SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY",
-    force_commit_record_sql="SELECT txid_current()",
-)
+
+
+def postgresql_backend(schema: str | None = None) -> Backend:
+    """PostgreSQL: the write lock is an advisory lock of the store's own schema.
+
+    One writer at a time per store, as on SQLite, and the identity value of every event is
+    taken under that lock, so events become visible in sequence order (see ``Store``'s
+    sequence-order rule).  Stores in other schemas of the database never wait for it.
+    """
+    return Backend(
+        "postgresql",
+        f"SELECT pg_advisory_xact_lock({write_lock_id(schema)})",
+        begin_snapshot_sql="SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY",
+        force_commit_record_sql="SELECT txid_current()",
+    )
+
+
+def write_lock_id(schema: str | None) -> int:
+    """The advisory lock id of a store's writer (the default schema keeps the historical id)."""
+    if schema is None:
+        return _PG_WRITE_LOCK
+    return (_PG_WRITE_LOCK << 32) | (zlib.crc32(schema.encode()) & 0x7FFF_FFFF)
+
+
+POSTGRESQL = postgresql_backend()
+
+
+def checked_schema(schema: object) -> str | None:
+    """``open_store(..., schema=...)``: None, or a plain lower-case identifier."""
+    if schema is None:
+        return None
+    if not isinstance(schema, str):
+        raise ConfigurationError(f"schema must be a str, got {type(schema).__name__}")
+    if not _SCHEMA_NAME.fullmatch(schema):
+        raise ConfigurationError(
+            f"schema {_shown(schema)} is not a plain identifier: lower-case letters, digits and _, "
+            "not starting with a digit, at most 63 characters"
+        )
+    if schema.startswith("pg_") or schema == "information_schema":
+        raise ConfigurationError(f"schema {schema!r} is reserved by PostgreSQL")
+    return schema
 
 
 def resolve_url(url_or_path: str | os.PathLike[str]) -> URL:
@@ -110,11 +150,16 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
 
 
-def create_store_engine(url: URL, durability: str, *, read_only: bool = False) -> tuple[Engine, Backend]:
+def create_store_engine(
+    url: URL, durability: str, schema: str | None = None, *, read_only: bool = False
+) -> tuple[Engine, Backend]:
     if durability not in DURABILITY_LEVELS:
         raise ConfigurationError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
+    schema = checked_schema(schema)
     backend_name = url.get_backend_name()
     if backend_name == "sqlite":
+        if schema is not None:
+            raise ConfigurationError("schemas are a PostgreSQL feature; give each SQLite store its own file")
         if url.database in (None, "", ":memory:"):
             raise ConfigurationError("an in-memory SQLite database is not durable; pass a file path")
         if read_only:
@@ -125,10 +170,10 @@ def create_store_engine(url: URL, durability: str, *, read_only: bool = False) -
     if backend_name == "postgresql":
         engine = _create_engine(url, pool_pre_ping=True)
         if read_only:
-            _configure_read_only_postgresql(engine)
+            _configure_read_only_postgresql(engine, schema)
         else:
-            _configure_postgresql(engine, durability)
-        return engine, POSTGRESQL
+            _configure_postgresql(engine, durability, schema)
+        return engine, postgresql_backend(schema)
     raise ConfigurationError(f"unsupported database {backend_name!r}; use a SQLite path or a postgresql:// URL")
 
 
@@ -205,22 +250,31 @@ def _read_only_sqlite_engine(url: URL) -> Engine:
     return _create_engine(url, creator=connect)
 
 
-def _configure_read_only_postgresql(engine: Engine) -> None:
+def _configure_read_only_postgresql(engine: Engine, schema: str | None) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Every transaction of this session is READ ONLY: the server refuses any write.
         with dbapi_connection.cursor() as cursor:
             cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            if schema is not None:
+                cursor.execute(f'SET search_path TO "{schema}"')
         dbapi_connection.commit()
 
 
-def _configure_postgresql(engine: Engine, durability: str) -> None:
+def _configure_postgresql(engine: Engine, durability: str, schema: str | None) -> None:
     synchronous_commit = "on" if durability == "full" else "off"
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         with dbapi_connection.cursor() as cursor:
             cursor.execute(f"SET synchronous_commit = {synchronous_commit}")
+            # The write path reads what the writer before it committed once it holds the
+            # write lock: that needs READ COMMITTED, whatever the database's default is.
+            cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            # A lock wait gives up like SQLite's busy timeout (a StorageError), never hangs.
+            cursor.execute(f"SET lock_timeout = {int(BUSY_TIMEOUT_MS)}")
+            if schema is not None:
+                cursor.execute(f'SET search_path TO "{schema}"')
         dbapi_connection.commit()
 
 
@@ -297,8 +351,12 @@ def current_revision(connection: sa.Connection) -> str | None:
     return connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
 
 
-def migrate(engine: Engine, backend: Backend) -> None:
-    """Bring the schema to ``SCHEMA_REVISION`` under the write lock (safe across processes)."""
+def migrate(engine: Engine, backend: Backend, schema: str | None = None) -> None:
+    """Bring the schema to ``SCHEMA_REVISION`` under the write lock (safe across processes).
+
+    A PostgreSQL ``schema`` is created first, under the same lock: processes opening one
+    new store at once wait for the first, then find it migrated.
+    """
     errors = driver_errors(engine)
     try:
         with engine.connect() as connection:
@@ -307,6 +365,8 @@ def migrate(engine: Engine, backend: Backend) -> None:
                 return
             connection.rollback()
             connection.exec_driver_sql(backend.begin_write_sql)
+            if schema is not None:
+                connection.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
             revision = current_revision(connection)
             if revision != SCHEMA_REVISION:
                 _run_alembic(connection)

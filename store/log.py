@@ -60,6 +60,7 @@ class NewEvent:
     columns: PackedColumns | None = None
     # The framework's own cleanup (``Store.retain``) withdraws keys of retired capture keys too.
     past_fence: bool = False
+    recorded_at: float | None = None  # None: now; a shipped event keeps its origin's time
 
 
 class _Statements:
@@ -163,6 +164,14 @@ class WriteTransaction:
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
         self._unfenced: set[str] = set()
+        self.last_seq: int | None = None  # the sequence number of the last event appended
+
+    def run(self, statement: Statement, values: dict[str, Any]) -> Any:
+        """Run another module's compiled statement in this transaction (retention, log shipping)."""
+        return self._execute(statement, values)
+
+    def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
+        self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -182,10 +191,6 @@ class WriteTransaction:
             self._sql.select_receipt, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest}
         ).fetchone()
         return None if row is None else int(row[0])
-
-    def run(self, statement: Statement, values: dict[str, Any]) -> Any:
-        """Run another module's compiled statement in this transaction (retention's deletes)."""
-        return self._execute(statement, values)
 
     def stream_bodies(self, rollout_id: str, model_call_id: str) -> list[tuple[EventKind, Any]]:
         """The decoded bodies of one stream's events, in order (the ledger's idempotency check)."""
@@ -232,7 +237,7 @@ class WriteTransaction:
             "kind": new.kind.value,
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
-            "recorded_at": time.time(),
+            "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
             "body": encode_body(new.body),
             "token_ids": None if columns is None else encode_ids(columns.token_ids),
             "token_mask": None if columns is None else encode_mask(columns.token_mask),
@@ -242,6 +247,7 @@ class WriteTransaction:
         row = self._execute(self._sql.insert_event, stored).fetchone()
         seq = int(row[0])
         self.appended += 1
+        self.last_seq = seq
         event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
         return seq

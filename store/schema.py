@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Float,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -20,9 +21,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0004"
+SCHEMA_REVISION = "0005"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 
 metadata = MetaData()
 
@@ -126,6 +127,33 @@ workers = Table(
 )
 
 PROJECTION_TABLES = (staged_keys, calls, cut_receipts, rollouts, workers)
+
+# Log shipping (store.shipping): not projections of the log, bookkeeping written with it.
+store_identity = Table(
+    "store_identity",
+    metadata,
+    Column("store_id", String(36), primary_key=True),  # random, made when the store is created
+    sqlite_with_rowid=False,
+)
+
+ship_sources = Table(
+    "ship_sources",
+    metadata,
+    Column("source_store_id", String(36), primary_key=True),
+    Column("last_seq", BigInteger, nullable=False),  # the source's events up to here were shipped
+    sqlite_with_rowid=False,
+)
+
+shipped_events = Table(
+    "shipped_events",
+    metadata,
+    Column("origin_store_id", String(36), nullable=False),
+    Column("origin_seq", BigInteger, nullable=False),
+    Column("event_seq", BigInteger, nullable=True),  # None: already here, nothing appended
+    PrimaryKeyConstraint("origin_store_id", "origin_seq", name="pk_shipped_events"),
+    Index("ix_shipped_events_event_seq", "event_seq"),
+    sqlite_with_rowid=False,
+)
 
 
 def version_key(version: int) -> str:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from store import arguments
 from store.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, wal_path
@@ -40,11 +40,14 @@ from store.retention import retain as retention_retain
 from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
+from store.shipping import identity
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
     from store.coordinator.history import PolicyWorker
+    from store.shipping import EventOrigin, ShipReport
 
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StageEntry:
@@ -61,13 +64,22 @@ class Store:
     """A durable token staging store (use ``open_store``).  Thread-safe; one per process."""
 
     def __init__(
-        self, url_or_path: str | os.PathLike[str], *, durability: str = "full", read_only: bool = False
+        self,
+        url_or_path: str | os.PathLike[str],
+        *,
+        durability: str = "full",
+        schema: str | None = None,
+        read_only: bool = False,
     ) -> None:
         self._url = resolve_url(url_or_path)
         self._durability = durability
+        self._schema = schema
+        self._store_id: str | None = None
         self._read_only = arguments.flag("read_only", read_only)
         self._calls = CallGate()
-        self._engine, self._backend = create_store_engine(self._url, self._durability, read_only=self._read_only)
+        self._engine, self._backend = create_store_engine(
+            self._url, self._durability, schema, read_only=self._read_only
+        )
         self._log = EventLog(
             self._engine,
             self._backend,
@@ -83,7 +95,7 @@ class Store:
             if self._read_only:
                 check_schema(self._engine, self._url)  # never migrates: the store stays as it is
             else:
-                migrate(self._engine, self._backend)
+                migrate(self._engine, self._backend, schema)
         except BaseException:
             self._engine.dispose()
             raise
@@ -344,6 +356,55 @@ class Store:
 
         return policy_workers(self._engine)
 
+    # --- log shipping (store.shipping) --------------------------------------------------------
+
+    @operation
+    def ship(self, to: Store, *, progress: Callable[[int, int], object] | None = None) -> ShipReport:
+        """Copy this store's events not yet in ``to`` into it, verified, keeping their identity.
+
+        Idempotent and resumable; stops at the first conflict or damaged event and reports it.
+        ``progress(done, total)`` is called with source events done as batches commit.
+        """
+        if not isinstance(to, Store):
+            raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
+        if progress is not None and not callable(progress):
+            raise InvalidRecordError(f"ship() progress must be callable, got {type(progress).__name__}")
+        from store.shipping.ship import ship_log  # shipping builds on the store, never the other way
+
+        return ship_log(self, to, progress)
+
+    @property
+    def store_id(self) -> str:
+        """This store's id (random, made when it was created): the origin of the events it stages."""
+        return self._identity()
+
+    @operation
+    def _identity(self) -> str:
+        return self._known_id()
+
+    def _known_id(self) -> str:
+        """The store id, for code already inside an operation (store.shipping)."""
+        if self._store_id is None:
+            with self._reader.connection("reading the store id") as connection:
+                self._store_id = identity.read_store_id(connection)
+        return self._store_id
+
+    @operation
+    def event_origin(self, seq: int) -> EventOrigin | None:
+        """Event ``seq``'s identity: (store that first staged it, its seq there); None if no such event."""
+        if type(seq) is not int or seq < 1:
+            raise InvalidRecordError(f"event_origin() takes a sequence number (an int >= 1), got {seq!r}")
+        with self._reader.connection("reading an event's origin") as connection:
+            return identity.event_origin(connection, self._known_id(), seq)
+
+    def _write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
+        """The write path for store.shipping (the target of a ship): staging's transaction and checks.
+
+        Not an ``operation``: a ship runs inside the source's operation, and nesting another
+        store's gate in it could deadlock a fork; the log refuses writes once closed.
+        """
+        return self._log.write(work, durable=durable)
+
     # --- events the worker capture appends ----------------------------------------------------
 
     @operation
@@ -458,7 +519,8 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Store({self.url!r}, durability={self._durability!r})"
+        schema = "" if self._schema is None else f", schema={self._schema!r}"
+        return f"Store({self.url!r}, durability={self._durability!r}{schema})"
 
 
 def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
@@ -492,15 +554,20 @@ def _owned(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) 
 
 
 def open_store(
-    url_or_path: str | os.PathLike[str], *, durability: str = "full", read_only: bool = False
+    url_or_path: str | os.PathLike[str],
+    *,
+    durability: str = "full",
+    schema: str | None = None,
+    read_only: bool = False,
 ) -> Store:
     """Open (creating and migrating if needed) a store.
 
-    A plain path is a SQLite file in WAL mode; ``postgresql://...`` uses PostgreSQL.
+    A plain path is a SQLite file in WAL mode; ``postgresql://...`` uses PostgreSQL, in
+    ``schema`` when given (created and migrated on open), so several stores share a database.
     ``durability="full"`` (default) makes every acknowledged stage survive power loss;
     ``"normal"`` may lose the last commits on power loss (never on a process crash).
     ``read_only=True`` creates, migrates and changes nothing: the store must exist with
     this library's schema (else ``StorageError``/``MigrationError``), and every write
     raises ``ReadOnlyStoreError``.
     """
-    return Store(url_or_path, durability=durability, read_only=read_only)
+    return Store(url_or_path, durability=durability, schema=schema, read_only=read_only)

@@ -42,11 +42,18 @@ def postgres_run_url() -> Iterator[str]:
 
 
 def reset_postgres(url: str) -> None:
-    """Drop the store's tables so each test starts from an empty database."""
+    """Drop every schema a test made and the public schema's tables, so each test starts empty."""
     engine = _engine(url)
     with engine.begin() as connection:
-        for table in ("events", "staged_keys", "calls", "cut_receipts", "rollouts", "workers", "alembic_version"):
-            connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table} CASCADE")
+        schemas = connection.exec_driver_sql(
+            "SELECT nspname FROM pg_namespace WHERE left(nspname, 3) <> 'pg_' "
+            "AND nspname NOT IN ('information_schema', 'public')"
+        ).scalars()
+        for schema in list(schemas):
+            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        tables = connection.exec_driver_sql("SELECT tablename FROM pg_tables WHERE schemaname = 'public'").scalars()
+        for table in list(tables):
+            connection.exec_driver_sql(f'DROP TABLE IF EXISTS "{table}" CASCADE')
     engine.dispose()
 
 

@@ -164,6 +164,7 @@ def probe(store: Store, expected: Expected, *, each_key: bool = True) -> Outcome
         lambda found: _same_receipt(outcome, found, receipt),
     )
     outcome.read("calls", store.calls, lambda found: None)
+    outcome.read("event_origin", lambda: store.event_origin(1), lambda found: None)  # store id, shipped events
     outcome.read("replay", store.replay, lambda report: None)
     outcome.read("audit", store.audit, lambda report: None)
     return outcome

@@ -201,9 +201,9 @@ def test_random_byte_flips_in_the_file_never_serve_a_wrong_record(tmp_path: Path
     data, expected = sample_file(tmp_path)
     trials = run_file_trials(data, expected, tmp_path, flipper(random.Random(6)), FILE_TRIALS)
     assert trials.violations == [], "\n".join(trials.violations[:20])
-    # Most of this small file is unused space in its pages (two of its 13 pages belong to the
-    # empty rollouts and workers tables): a flip there changes nothing any reader can see.
-    assert trials.planted == FILE_TRIALS and trials.found > FILE_TRIALS // 5
+    # Most of this small file is unused space in its pages (the rollouts, workers and
+    # log-shipping tables are empty here): a flip there changes nothing any reader can see.
+    assert trials.planted == FILE_TRIALS and trials.found >= FILE_TRIALS // 5
 
 
 def test_an_undamaged_copy_probes_clean(tmp_path: Path) -> None:

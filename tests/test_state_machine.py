@@ -49,6 +49,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from rollouts import manifest_row
+from shipping_helpers import assert_target_reads_like_source
 
 from store import (
     ActiveCall,
@@ -129,6 +130,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.path = os.path.join(self.folder, "store.db")
         self.version = 3
         self._open()
+        self.target = open_store(os.path.join(self.folder, "target.db"))  # what the ship rule ships into
+        self.shipped_upto = 0  # the source's events up to this seq were shipped
         self.acked: dict[str, Expected] = {}
         self.cleared: set[str] = set()
         self.live: dict[tuple[str, str], LiveModel] = {}
@@ -179,6 +182,7 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.steps["sequences"] += 1
         self._close_process()
+        self.target.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     # --- rules ---------------------------------------------------------------------------------
@@ -664,6 +668,17 @@ class StoreMachine(RuleBasedStateMachine):
             assert codes[rollout_id] == "empty_generation"
         assert report.rows == len(lines)
 
+    @rule()
+    def ship(self) -> None:
+        """Ship the store at any point into the target: it then reads exactly like the store."""
+        self.steps["ship"] += 1
+        seen: list[tuple[int, int]] = []
+        report = self.store.ship(self.target, progress=lambda done, total: seen.append((done, total)))
+        assert report.ok, report.summary()
+        assert report.last_seq >= self.shipped_upto and seen[-1][0] == seen[-1][1] == report.read
+        self.shipped_upto = report.last_seq
+        assert_target_reads_like_source(self.store, self.target)
+
     # --- invariants ----------------------------------------------------------------------------
 
     # --- policy workers come and go (store.coordinator) ---------------------------------------------
@@ -763,6 +778,18 @@ class StoreMachine(RuleBasedStateMachine):
     def the_workers_projection_follows_the_workers(self) -> None:
         assert [w.state for w in self.store.workers()] == self.worker_states
         assert self.coordinator.status()["connected"] == len(self.clients)
+
+    def shipped_events_stay_shipped_once(self) -> None:
+        """The target holds one event per source event shipped so far, each under its identity."""
+        with sqlite3.connect(f"file:{self.path}?mode=ro", uri=True) as connection:
+            query = "SELECT count(*) FROM events WHERE seq <= ?"
+            (source_events,) = connection.execute(query, (self.shipped_upto,)).fetchone()
+        connection.close()
+        with sqlite3.connect(f"file:{os.path.join(self.folder, 'target.db')}?mode=ro", uri=True) as connection:
+            (identities,) = connection.execute("SELECT count(*) FROM shipped_events").fetchone()
+            (events,) = connection.execute("SELECT count(*) FROM events").fetchone()
+        connection.close()
+        assert identities == source_events and events <= identities
 
     @invariant()
     def sequence_numbers_only_grow(self) -> None:

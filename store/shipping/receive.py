@@ -1,0 +1,254 @@
+"""The target side of a ship: one batch of source events in one write transaction.
+
+Each event goes through the checks staging runs in the write transaction (``_stage`` for
+records, ``_owned`` for withdrawn keys, the receipt lookup for cut receipts), then
+``WriteTransaction.append``, which folds it into the projections as if staged here.  A
+check added to those paths (retention's fences) applies to shipped events too.  The
+resume point and the events' identities are written in the same transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from store import schema
+from store.engine import Statement
+from store.errors import StoreError
+from store.events import (
+    RECORD_KINDS,
+    CutReceiptBody,
+    EventKind,
+    KeysClearedBody,
+    TombstoneBody,
+    WorkerBody,
+    decode_body,
+)
+from store.log import NewEvent, WriteTransaction
+from store.retention import removal
+from store.retention.removal import RetentionStatements
+from store.shipping.identity import EventOrigin
+from store.shipping.source import SourceEvent
+from store.store import _owned, _stage
+
+
+class Refused(Exception):
+    """The target refused source event ``source_seq`` by raising: the batch is rolled back."""
+
+    def __init__(self, source_seq: int, error: StoreError) -> None:
+        super().__init__(str(error))
+        self.source_seq = source_seq
+        self.error = error
+
+
+@dataclass
+class Received:
+    """What one batch did in the target."""
+
+    appended: int = 0
+    present: int = 0
+    last_seq: int | None = None  # the source's resume point after the batch (None: unchanged)
+    conflict: tuple[int, str] | None = None  # (source seq, reason): stopped there
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ShipStatements:
+    """The bookkeeping statements, compiled once for the target's dialect."""
+
+    def __init__(self, engine: Engine) -> None:
+        sources, shipped = schema.ship_sources, schema.shipped_events
+        self.resume_point = Statement(
+            sa.select(sources.c.last_seq).where(sources.c.source_store_id == sa.bindparam("source_store_id")),
+            engine,
+        )
+        self.insert_source = Statement(
+            sa.insert(sources).values(
+                source_store_id=sa.bindparam("source_store_id"), last_seq=sa.bindparam("last_seq")
+            ),
+            engine,
+        )
+        self.update_source = Statement(
+            sa.update(sources)
+            .where(sources.c.source_store_id == sa.bindparam("b_source_store_id"))
+            .values(last_seq=sa.bindparam("last_seq")),
+            engine,
+        )
+        self.shipped_in = Statement(
+            sa.select(shipped.c.origin_seq).where(
+                shipped.c.origin_store_id == sa.bindparam("origin_store_id"),
+                shipped.c.origin_seq >= sa.bindparam("low"),
+                shipped.c.origin_seq <= sa.bindparam("high"),
+            ),
+            engine,
+        )
+        events, receipts = schema.events, schema.cut_receipts
+        self.receipt_body = Statement(
+            sa.select(events.c.body)
+            .select_from(receipts.join(events, events.c.seq == receipts.c.event_seq))
+            .where(
+                receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
+                receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
+            ),
+            engine,
+        )
+        self.target_seq = Statement(
+            sa.select(shipped.c.event_seq).where(
+                shipped.c.origin_store_id == sa.bindparam("origin_store_id"),
+                shipped.c.origin_seq == sa.bindparam("origin_seq"),
+            ),
+            engine,
+        )
+        self.retention = RetentionStatements(engine)
+        self.insert_shipped = Statement(
+            sa.insert(shipped).values({c: sa.bindparam(c.name) for c in shipped.c}), engine
+        )
+
+
+def resume_point(tx: WriteTransaction, statements: ShipStatements, source_store_id: str) -> int | None:
+    row = tx.run(statements.resume_point, {"source_store_id": source_store_id}).fetchone()
+    return None if row is None else int(row[0])
+
+
+def receive(
+    tx: WriteTransaction,
+    statements: ShipStatements,
+    source_store_id: str,
+    target_store_id: str,
+    items: list[SourceEvent],
+) -> Received:
+    """Apply ``items`` (in source order) in the target's write transaction."""
+    received = Received()
+    known = resume_point(tx, statements, source_store_id)
+    # Another ship of the same source may have committed these first: skip what it did.
+    items = [item for item in items if known is None or item.source_seq > known]
+    here = _already_here(tx, statements, target_store_id, items)
+    for item in items:
+        origin = (item.origin.store_id, item.origin.seq)
+        if origin in here:
+            received.present += 1
+        else:
+            try:
+                outcome = _apply(tx, statements, target_store_id, item, received.events)
+            except StoreError as exc:
+                raise Refused(item.source_seq, exc) from exc
+            if isinstance(outcome, str):
+                received.conflict = (item.source_seq, outcome)
+                break
+            if outcome is None:
+                received.present += 1
+            else:
+                received.appended += 1
+            received.events.append({"origin_store_id": origin[0], "origin_seq": origin[1], "event_seq": outcome})
+            here.add(origin)
+        received.last_seq = item.source_seq
+    if received.events:
+        tx.run_many(statements.insert_shipped, received.events)
+    if received.last_seq is not None:
+        values: dict[str, Any] = {"source_store_id": source_store_id, "last_seq": received.last_seq}
+        if known is None:
+            tx.run(statements.insert_source, values)
+        else:
+            tx.run(statements.update_source, {"b_source_store_id": source_store_id, "last_seq": received.last_seq})
+    return received
+
+
+def _already_here(
+    tx: WriteTransaction, statements: ShipStatements, target_store_id: str, items: list[SourceEvent]
+) -> set[tuple[str, int]]:
+    """The identities among ``items`` the target already holds (shipped before, or its own)."""
+    here: set[tuple[str, int]] = set()
+    by_origin: dict[str, list[int]] = {}
+    for item in items:
+        if item.origin.store_id == target_store_id:
+            here.add((target_store_id, item.origin.seq))  # an event of the target's own, shipped back
+        else:
+            by_origin.setdefault(item.origin.store_id, []).append(item.origin.seq)
+    for origin, seqs in by_origin.items():
+        rows = tx.run(statements.shipped_in, {"origin_store_id": origin, "low": min(seqs), "high": max(seqs)})
+        here.update((origin, int(row[0])) for row in rows.fetchall())
+    return here
+
+
+def _apply(
+    tx: WriteTransaction,
+    statements: ShipStatements,
+    target_store_id: str,
+    item: SourceEvent,
+    batch: list[dict[str, Any]],
+) -> int | str | None:
+    """Append one event as staging would: its seq, None if nothing was needed, or a conflict's reason."""
+    new = item.event
+    before = tx.appended
+    if new.kind is EventKind.ROLLOUT_DELETED:
+        # The source removed the capture key: remove it here too, under a tombstone of the
+        # target's own (it names the target's events), as Store.delete would.
+        body = new.body
+        assert isinstance(body, TombstoneBody)
+        removal.delete(tx, statements.retention, [new.rollout_id], ledger_only=body.ledger_only)
+        return tx.last_seq if tx.appended > before else None
+    if item.joined is not None and isinstance(new.body, WorkerBody):
+        # A worker's leave names its join by seq: the join's seq in this store.
+        joined = _target_seq(tx, statements, target_store_id, item.joined, batch)
+        body = msgspec.structs.replace(new.body, joined_seq=joined)
+        new = NewEvent(new.kind, new.rollout_id, new.model_call_id, body, recorded_at=new.recorded_at)
+    if new.kind in RECORD_KINDS:
+        assert item.digest is not None
+        result = _stage(tx, new, item.digest)
+        if not result.ok:
+            return result.error or "the target refused the record"
+    elif new.kind is EventKind.KEYS_CLEARED:
+        body = new.body
+        assert isinstance(body, KeysClearedBody)
+        live = [key for key in body.staging_keys if _owned(tx, key, new.rollout_id, new.model_call_id)]
+        if live:
+            cleared = KeysClearedBody(staging_keys=live, reason=body.reason)
+            tx.append(NewEvent(new.kind, new.rollout_id, new.model_call_id, cleared, recorded_at=new.recorded_at))
+    elif new.kind is EventKind.CUT_RECEIPT:
+        body = new.body
+        assert isinstance(body, CutReceiptBody)
+        if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None:
+            tx.append(new)
+        elif _receipt_here(tx, statements, body) != body.receipt:
+            return (
+                f"checkpoint {body.checkpoint_id!r} already has another receipt for inventory "
+                f"{body.inventory_digest[:16]}... in the target"
+            )
+    else:  # admissions and failures are appended as they come, as the capture appends them
+        tx.append(new)
+    return tx.last_seq if tx.appended > before else None
+
+
+def _target_seq(
+    tx: WriteTransaction,
+    statements: ShipStatements,
+    target_store_id: str,
+    origin: EventOrigin,
+    batch: list[dict[str, Any]],
+) -> int | None:
+    """The seq here of the event with identity ``origin`` (None: it never arrived).
+
+    ``batch`` holds the identities this batch appended so far (written when it commits).
+    """
+    if origin.store_id == target_store_id:
+        return origin.seq
+    for shipped in batch:
+        if (shipped["origin_store_id"], shipped["origin_seq"]) == (origin.store_id, origin.seq):
+            return int(shipped["event_seq"]) if shipped["event_seq"] is not None else None
+    values = {"origin_store_id": origin.store_id, "origin_seq": origin.seq}
+    row = tx.run(statements.target_seq, values).fetchone()
+    return None if row is None else int(row[0])
+
+
+def _receipt_here(tx: WriteTransaction, statements: ShipStatements, body: CutReceiptBody) -> bytes | None:
+    """The receipt bytes the target returned for this inventory (None if its event is unreadable)."""
+    values = {"checkpoint_id": body.checkpoint_id, "inventory_digest": body.inventory_digest}
+    row = tx.run(statements.receipt_body, values).fetchone()
+    try:
+        stored = decode_body(EventKind.CUT_RECEIPT, bytes(row[0]))
+    except (TypeError, ValueError, msgspec.DecodeError):
+        return None
+    return bytes(stored.receipt)

@@ -1,0 +1,130 @@
+"""``Store.ship``: copy a store's log into another store, idempotently and resumably.
+
+The source is read in sequence order from the target's resume point for it; each batch is
+verified, then applied in one write transaction of the target together with the new resume
+point and the events' identities (origin store id, origin seq).  A batch is all or
+nothing, so a ship killed at any moment resumes where the last committed batch ended,
+and an event that reached the target by any path is never appended twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from store.errors import InvalidRecordError
+from store.log import WriteTransaction
+from store.shipping.receive import Received, Refused, ShipStatements, receive, resume_point
+from store.shipping.report import ShipProblem, ShipReport
+from store.shipping.source import SourceEvent, Unshippable, batches, count_after
+
+if TYPE_CHECKING:
+    from store.store import Store
+
+Progress = Callable[[int, int], object]
+
+# Source events per target transaction: a few MB of 4k-token records at most.
+BATCH_EVENTS = 128
+
+
+def ship_log(source: Store, target: Store, progress: Progress | None) -> ShipReport:
+    source_id = source._known_id()
+    statements = ShipStatements(target._engine)
+    # The target's log refuses a closed store here, before anything of it is read.
+    start = target._write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
+    target_id = target._known_id()
+    if source_id == target_id:
+        raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
+    totals = {"appended": 0, "present": 0}
+    last = start
+    problems: list[ShipProblem] = []
+    with source._reader.connection("reading the log to ship") as connection:
+        total = count_after(connection, start)
+        connection.rollback()
+        _report(progress, 0, total)
+        for batch in batches(connection, source_id, start, BATCH_EVENTS):
+            verified, bad = _until_unshippable(batch)
+            received, problem = _ship_batch(target, statements, source_id, target_id, verified)
+            totals["appended"] += received.appended
+            totals["present"] += received.present
+            if received.last_seq is not None:
+                last = max(last, received.last_seq)
+            problem = problem or (None if bad is None else _corrupt(bad))
+            if problem is not None:
+                problems.append(problem)
+                break
+            done = totals["appended"] + totals["present"]
+            total = max(total, done)  # events staged in the source while it ships
+            _report(progress, done, total)
+    done = totals["appended"] + totals["present"]
+    if not problems and done != total:
+        _report(progress, done, done)
+    return ShipReport(
+        ok=not problems,
+        source_store_id=source_id,
+        target_store_id=target_id,
+        read=done,
+        appended=totals["appended"],
+        present=totals["present"],
+        last_seq=last,
+        problems=tuple(problems),
+    )
+
+
+def _until_unshippable(batch: list[SourceEvent | Unshippable]) -> tuple[list[SourceEvent], Unshippable | None]:
+    """The verified events before the first one that failed verification, and that one."""
+    verified: list[SourceEvent] = []
+    for item in batch:
+        if isinstance(item, Unshippable):
+            return verified, item
+        verified.append(item)
+    return verified, None
+
+
+def _ship_batch(
+    target: Store, statements: ShipStatements, source_id: str, target_id: str, items: list[SourceEvent]
+) -> tuple[Received, ShipProblem | None]:
+    """Apply ``items`` in one target transaction; a refusal ships the events before it, then reports it."""
+
+    def work(chosen: list[SourceEvent]) -> Callable[[WriteTransaction], Received]:
+        return lambda tx: receive(tx, statements, source_id, target_id, chosen)
+
+    if not items:
+        return Received(), None
+    try:
+        received = target._write(work(items))
+    except Refused as refused:
+        before = [item for item in items if item.source_seq < refused.source_seq]
+        received = target._write(work(before)) if before else Received()
+        code = "conflict" if isinstance(refused.error, InvalidRecordError) else "refused"
+        return received, _problem(code, _at(items, refused.source_seq), str(refused.error))
+    if received.conflict is not None:
+        source_seq, reason = received.conflict
+        return received, _problem("conflict", _at(items, source_seq), reason)
+    return received, None
+
+
+def _at(items: list[SourceEvent], source_seq: int) -> SourceEvent:
+    return next(item for item in items if item.source_seq == source_seq)
+
+
+def _problem(code: str, item: SourceEvent, reason: str) -> ShipProblem:
+    event = item.event
+    return ShipProblem(
+        code, reason, item.source_seq, item.origin.store_id, item.origin.seq,
+        event.staging_key, event.rollout_id, event.model_call_id,
+    )
+
+
+def _corrupt(item: Unshippable) -> ShipProblem:
+    row = item.row
+    return ShipProblem(
+        "corrupt", item.reason, item.source_seq, item.origin.store_id, item.origin.seq,
+        row.get("staging_key"), row.get("rollout_id"), row.get("model_call_id"),
+    )
+
+
+def _report(progress: Progress | None, done: int, total: int) -> None:
+    if progress is not None:
+        progress(done, total)
+

@@ -1,0 +1,309 @@
+"""Log shipping: ``Store.ship`` copies a worker-local SQLite log into another store (each backend).
+
+Idempotent, resumable after SIGKILL, verified on arrival, identity kept across hops, several
+origins into one target, conflicts refused and reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from capture_helpers import damage_token_ids, raw_event_count
+from corruption_helpers import populate
+from factories import make_record
+from lineage_helpers import two_call_rollout
+from shipping_helpers import assert_target_reads_like_source, origins, staged_keys
+
+from store import (
+    EventOrigin,
+    InvalidRecordError,
+    RolloutFencedError,
+    StagingRefusedError,
+    Store,
+    StoreClosedError,
+    open_store,
+)
+from store.shipping import receive
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def worker_store(path: Path) -> Store:
+    """A worker's local store with an event of every kind (records, admissions, a cut and its
+    receipt, a restored continuation, withdrawn keys, a failed call)."""
+    local = open_store(str(path))
+    populate(local)
+    two_call_rollout(local, "rc", interrupted=True)
+    assert local.stage(make_record(rollout_id="r5", model_call_id="c0"), staging_key=None).ok
+    flushed = "__generation_cut__/checkpoint-1/r3/c0/0"
+    local.clear_keys("r3", "c0", [flushed], "rolled back")
+    assert flushed not in staged_keys(local)
+    return local
+
+
+def test_a_ship_copies_every_event_and_the_target_reads_like_the_source(store_url: str, tmp_path: Path) -> None:
+    with worker_store(tmp_path / "worker.db") as source, open_store(store_url) as target:
+        seen: list[tuple[int, int]] = []
+        report = source.ship(target, progress=lambda done, total: seen.append((done, total)))
+        assert report.ok, report.summary()
+        events = raw_event_count(source)
+        assert (report.read, report.appended, report.present, report.last_seq) == (events, events, 0, events)
+        assert (report.source_store_id, report.target_store_id) == (source.store_id, target.store_id)
+        assert seen[0] == (0, events) and seen[-1] == (events, events)
+        assert_target_reads_like_source(source, target)
+        # Every event keeps its identity: the worker's store id and its sequence number there.
+        assert origins(target) == [EventOrigin(source.store_id, seq) for seq in range(1, events + 1)]
+        assert target.replay().ok
+
+
+def test_a_second_ship_sends_only_what_is_new(store_url: str, tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for index in range(3):
+            assert source.stage(make_record(rollout_id=f"r{index}")).ok
+        assert source.ship(target).appended == 3
+        again = source.ship(target)
+        assert (again.ok, again.read, again.appended, again.last_seq) == (True, 0, 0, 3)
+        assert source.stage(make_record(rollout_id="late")).ok
+        later = source.ship(target)
+        assert (later.read, later.appended, later.last_seq) == (1, 1, 4)
+        assert raw_event_count(target) == 4
+        assert_target_reads_like_source(source, target)
+
+
+def test_two_ships_of_one_source_at_once_append_each_event_once(store_url: str, tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "worker.db"), durability="normal") as source:
+        source.stage_all([_entry(f"r{n}") for n in range(300)])
+    targets = [open_store(store_url) for _ in range(2)]  # two connections: the batches race
+    sources = [open_store(str(tmp_path / "worker.db")) for _ in range(2)]
+    reports: list[object] = []
+    threads = [
+        threading.Thread(target=lambda s=s, t=t: reports.append(s.ship(t)))  # type: ignore[misc]
+        for s, t in zip(sources, targets, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sum(report.appended for report in reports) == 300  # type: ignore[attr-defined]
+    assert all(report.ok for report in reports)  # type: ignore[attr-defined]
+    assert raw_event_count(targets[0]) == 300
+    assert_target_reads_like_source(sources[0], targets[0])
+    for opened in (*sources, *targets):
+        opened.close()
+
+
+def test_several_workers_ship_into_one_target(store_url: str, tmp_path: Path) -> None:
+    with (
+        open_store(str(tmp_path / "a.db")) as a,
+        open_store(str(tmp_path / "b.db")) as b,
+        open_store(store_url) as target,
+    ):
+        two_call_rollout(a, "ra", interrupted=True)
+        two_call_rollout(b, "rb", interrupted=False)
+        shared = make_record(rollout_id="shared", model_call_id="c")
+        assert a.stage(shared).ok and b.stage(shared).ok  # the same record, staged by both
+        assert a.ship(target).ok
+        report = b.ship(target)
+        assert report.ok and report.present == 1  # the identical record was already there
+        assert_target_reads_like_source(a, target, only_source=False)
+        assert_target_reads_like_source(b, target, same_times=False, only_source=False)
+        assert {origin.store_id for origin in origins(target)} == {a.store_id, b.store_id}
+
+
+def test_a_conflict_is_refused_and_reported_never_merged(store_url: str, tmp_path: Path) -> None:
+    with (
+        open_store(str(tmp_path / "a.db")) as a,
+        open_store(str(tmp_path / "b.db")) as b,
+        open_store(store_url) as target,
+    ):
+        assert a.stage(make_record(rollout_id="r", model_call_id="c", generated=(1, 2))).ok
+        assert a.ship(target).ok
+        assert b.stage(make_record(rollout_id="before", model_call_id="c")).ok
+        other = make_record(rollout_id="r", model_call_id="c", generated=(3, 4))  # another record, same key
+        assert b.stage(other).ok
+        assert b.stage(make_record(rollout_id="after", model_call_id="c")).ok
+        for _ in range(2):  # a later ship stops there again
+            report = b.ship(target)
+            assert not report.ok
+            [problem] = report.problems
+            assert (problem.code, problem.staging_key, problem.source_seq) == ("conflict", "r/c", 2)
+            assert (problem.origin_store_id, problem.origin_seq) == (b.store_id, 2)
+            assert "already holds a different record" in problem.reason and "conflict" in report.summary()
+            assert report.last_seq == 1  # the event before the conflict is shipped
+        assert target.fetch(["r/c"])[0].token_ids_delta.tolist()[-2:] == [1, 2]  # never overwritten
+        assert target.call("after", "c") is None
+        assert target.call("before", "c") is not None
+        assert target.audit().ok
+
+
+def test_another_receipt_for_the_same_inventory_is_a_conflict(store_url: str, tmp_path: Path) -> None:
+    digest = "ab" * 32
+    with (
+        open_store(str(tmp_path / "a.db")) as a,
+        open_store(str(tmp_path / "b.db")) as b,
+        open_store(store_url) as target,
+    ):
+        a.stage_all([], cut_receipt=("ckpt", digest, b'{"receipt": "a"}'))
+        b.stage_all([], cut_receipt=("ckpt", digest, b'{"receipt": "b"}'))
+        c_receipt = b'{"receipt": "a"}'
+        assert a.ship(target).ok
+        report = b.ship(target)
+        [problem] = report.problems
+        assert problem.code == "conflict" and "another receipt" in problem.reason
+        assert target.cut_receipt("ckpt", digest) == c_receipt
+        with open_store(str(tmp_path / "c.db")) as c:
+            c.stage_all([], cut_receipt=("ckpt", digest, c_receipt))
+            same = c.ship(target)
+            assert (same.ok, same.appended, same.present) == (True, 0, 1)  # the identical receipt
+
+
+def test_a_damaged_source_event_stops_the_ship_before_it(store_url: str, tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for name in ("r1", "r2", "r3"):
+            assert source.stage(make_record(rollout_id=name)).ok
+        damage_token_ids(source, "r2/call-1")
+        report = source.ship(target)
+        assert not report.ok
+        [problem] = report.problems
+        assert (problem.code, problem.source_seq, problem.staging_key) == ("corrupt", 2, "r2/call-1")
+        assert "checksum" in problem.reason
+        assert report.last_seq == 1 and raw_event_count(target) == 1
+
+
+def test_a_check_in_the_target_write_transaction_applies_to_shipped_events(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where retention's fences hook in: a check raising inside the target's write transaction
+    (here in place of ``_stage``) refuses the event; the events before it are shipped."""
+    real_stage = receive._stage
+
+    def fenced(tx: object, event: object, digest: str) -> object:
+        if getattr(event, "rollout_id", None) == "fenced":
+            raise StagingRefusedError("rollout 'fenced' is retired")
+        return real_stage(tx, event, digest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(receive, "_stage", fenced)
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for name in ("ok1", "ok2", "fenced", "ok3"):
+            assert source.stage(make_record(rollout_id=name)).ok
+        report = source.ship(target)
+        [problem] = report.problems
+        assert (problem.code, problem.rollout_id, problem.source_seq) == ("refused", "fenced", 3)
+        assert "retired" in problem.reason
+        assert (report.appended, report.last_seq) == (2, 2)
+        assert [call.rollout_id for call in target.calls()] == ["ok1", "ok2"]
+        assert target.replay().ok
+
+
+def test_identity_is_kept_across_hops(store_url: str, tmp_path: Path) -> None:
+    with (
+        worker_store(tmp_path / "worker.db") as worker,
+        open_store(str(tmp_path / "region.db")) as region,
+        open_store(store_url) as central,
+    ):
+        assert worker.ship(region).ok
+        assert region.ship(central).ok
+        events = raw_event_count(worker)
+        assert origins(central) == [EventOrigin(worker.store_id, seq) for seq in range(1, events + 1)]
+        direct = worker.ship(central)  # the same events by another path: nothing appended
+        assert (direct.ok, direct.appended, direct.present) == (True, 0, events)
+        assert central.ship(worker).appended == 0  # shipped back home: the worker's own events
+        assert_target_reads_like_source(worker, central)
+
+
+def test_bad_arguments_are_refused(store_url: str, tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "worker.db")) as source:
+        with pytest.raises(InvalidRecordError, match="takes a Store"):
+            source.ship("postgresql://elsewhere")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRecordError, match="this store"):
+            source.ship(source)
+        same_file = open_store(str(tmp_path / "worker.db"))
+        with pytest.raises(InvalidRecordError, match="this store"):
+            source.ship(same_file)
+        same_file.close()
+        target = open_store(store_url)
+        with pytest.raises(InvalidRecordError, match="progress must be callable"):
+            source.ship(target, progress=3)  # type: ignore[arg-type]
+        target.close()
+        with pytest.raises(StoreClosedError):
+            source.ship(target)
+
+
+_KILLED_SHIP = """
+import sys
+sys.path.insert(0, {tests!r})
+from store import open_store
+from store.shipping import ship
+ship.BATCH_EVENTS = 40
+with open_store({source!r}) as source, open_store({target!r}) as target:
+    source.ship(target)
+print("NOT KILLED")
+"""
+
+
+@pytest.mark.parametrize("failpoint", ["before_commit", "after_commit"])
+def test_a_ship_killed_mid_way_resumes_without_loss_or_duplicates(
+    store_url: str, tmp_path: Path, failpoint: str
+) -> None:
+    path = tmp_path / "worker.db"
+    with open_store(str(path), durability="normal") as source:
+        for block in range(4):  # 200 events: five batches of 40
+            assert source.stage_all([_entry(f"r{block}-{n}") for n in range(50)]) is not None
+    program = _KILLED_SHIP.format(tests=str(TESTS), source=str(path), target=store_url)
+    # Skip the resume-point write and two batches: killed in the third batch.
+    env = {**os.environ, "STORE_FAILPOINT": failpoint, "STORE_FAILPOINT_SKIP": "3"}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, (done.stdout, done.stderr)
+    with open_store(str(path)) as source, open_store(store_url) as target:
+        shipped = raw_event_count(target)
+        assert shipped == (80 if failpoint == "before_commit" else 120)  # whole batches only
+        report = source.ship(target)
+        assert report.ok and report.appended == 200 - shipped and report.last_seq == 200
+        assert raw_event_count(target) == 200
+        assert_target_reads_like_source(source, target)
+
+
+def _entry(rollout_id: str) -> object:
+    from store import StageEntry
+
+    return StageEntry(make_record(rollout_id=rollout_id))
+
+
+def test_retention_events_ship_as_fences_and_deletes_of_the_target(store_url: str, tmp_path: Path) -> None:
+    """A retired capture key is fenced in the target too; a deleted one is removed there as well."""
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for rollout_id in ("kept", "retired", "deleted"):
+            assert source.stage(make_record(rollout_id=rollout_id)).ok
+        assert source.ship(target).ok
+        source.retire(["retired", "deleted"])
+        source.delete(["deleted"])
+        report = source.ship(target)
+        assert report.ok, report.summary()
+        with pytest.raises(RolloutFencedError, match="retired"):
+            target.stage(make_record(rollout_id="retired", model_call_id="late"))
+        assert {key.split("/")[0] for key in staged_keys(target)} == {"kept", "retired"}
+        assert target.call("deleted", "c1") is None
+        audit = target.audit()
+        assert audit.ok, audit.summary()
+        assert audit.counts["tombstones"] == 1 and target.replay().ok
+        assert source.ship(target).appended == 0  # the delete is not applied twice
+
+
+def test_a_shipped_worker_leave_names_its_join_in_the_target(store_url: str, tmp_path: Path) -> None:
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        assert target.stage(make_record(rollout_id="local")).ok  # the target's seqs differ from the source's
+        joined = source.record_worker("worker_joined", 4242, index=0, connected=1, expected=1)
+        source.record_worker("worker_lost", 4242, index=0, joined_seq=joined, connected=0, expected=1)
+        assert source.ship(target).ok
+        [worker] = target.workers()
+        assert (worker.pid, worker.state) == (4242, "lost")
+        assert worker.join_seq != joined
+        assert target.event_origin(worker.join_seq) == EventOrigin(source.store_id, joined)
+        assert target.replay().ok and target.audit().ok
