@@ -598,9 +598,8 @@ def test_retire_forget_delete_compact(copy: Path, tmp_path: Path, capsys: Any) -
     assert code == 0 and set(compacted) == {"store", "backend", "bytes_before", "bytes_after", "reclaimed", "converted"}
     assert compacted["backend"] == "sqlite" and compacted["bytes_after"] <= compacted["bytes_before"]
     assert compacted["reclaimed"] == compacted["bytes_before"] - compacted["bytes_after"]
-    assert os.path.getsize(copy) + (os.path.getsize(f"{copy}-wal") if os.path.exists(f"{copy}-wal") else 0) == (
-        compacted["bytes_after"]
-    )
+    wal = Path(f"{copy}-wal")
+    assert os.path.getsize(copy) + (os.path.getsize(wal) if wal.exists() else 0) == compacted["bytes_after"]
     code, out, _ = run(capsys, "audit", store, "--json")
     report = json.loads(out)
     assert code == 0 and report["ok"], report["problems"]  # the tombstones explain the gap
@@ -730,3 +729,96 @@ def test_write_commands_on_any_backend(store_url: str, capsys: Any) -> None:
         code, _, err = run(capsys, "retire", missing, "r0")
         assert code == 3 and "does not exist" in err
         assert_one_line_error(err)
+
+
+# --- ship: a store's log into another store --------------------------------------------------------
+
+SHIP_SHAPE = {
+    "source", "target", "ok", "source_store_id", "target_store_id", "read", "appended", "present", "last_seq",
+    "problems",
+}  # fmt: skip
+
+
+def _events(capsys: Any, store: str) -> int:
+    code, out, _ = run(capsys, "replay", store, "--json")
+    assert code == 0
+    return int(json.loads(out)["events"])
+
+
+def test_ship_copies_the_log_into_another_store(
+    copy: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import contextmanager
+
+    from store.cli import output
+
+    source_before = folder_state(copy.parent)
+    target = tmp_path / "shared" / "target.db"
+    target.parent.mkdir()
+    code, _, err = run(capsys, "ship", str(copy), str(target))
+    assert code == 3 and "never create" in err and not target.exists()  # a write command creates nothing
+    assert_one_line_error(err)
+    assert run(capsys, "migrate", str(target), "--create")[0] == 0
+    calls: list[tuple[int, int]] = []
+
+    @contextmanager
+    def recording(label: str) -> Iterator[output.Progress]:
+        assert label == "shipping"
+        yield lambda done, total: calls.append((done, total))
+
+    monkeypatch.setattr(output, "progress_bar", recording)
+    code, out, err = run(capsys, "ship", str(copy), str(target), "--json")
+    monkeypatch.undo()
+    report = json.loads(out)
+    assert code == 0 and set(report) == SHIP_SHAPE and report["ok"] and report["problems"] == [], err
+    events = _events(capsys, str(copy))
+    assert (report["read"], report["appended"], report["present"], report["last_seq"]) == (events, events, 0, events)
+    assert report["source_store_id"] != report["target_store_id"]
+    assert calls and calls[-1] == (events, events)
+    assert folder_state(copy.parent) == source_before  # the source is only read
+    code, out, _ = run(capsys, "ship", str(copy), str(target), "--json")
+    again = json.loads(out)
+    assert code == 0 and again["ok"] and again["appended"] == 0  # idempotent: nothing new to send
+    # The target reads like the source (the shipping process, not the workers, wrote its
+    # events there, so writer pids, and with them lineage's worker_pid, are the ship's own).
+    for args in (["lineage", "{}", "run1-r0", "--json"], ["rollouts", "{}", "--json"]):
+        shown = [json.loads(run(capsys, *[a.format(p) for a in args])[1]) for p in (copy, target)]
+        for side in shown:
+            for call in side.get("calls", []):
+                call.pop("worker_pid")
+        assert shown[0] == shown[1], args
+    workers = [json.loads(run(capsys, "workers", str(p), "--json")[1])["workers"] for p in (copy, target)]
+    assert [(w["pid"], w["state"]) for w in workers[0]] == [(w["pid"], w["state"]) for w in workers[1]]
+    code, out, err = run(capsys, "audit", str(target), "--json")
+    assert code == 0 and json.loads(out)["ok"], err
+    code, out, _ = run(capsys, "ship", str(copy), str(target))
+    assert code == 0 and "0 appended" in out
+
+
+def test_ship_stops_at_a_conflict_and_exits_1(copy: Path, tmp_path: Path, capsys: Any) -> None:
+    from factories import make_record
+
+    from store import open_store
+
+    target = tmp_path / "theirs.db"
+    with open_store(target) as theirs:  # another record under a key the source uses
+        assert theirs.stage(make_record(rollout_id="run1-r0", model_call_id="c0")).ok
+    code, out, _ = run(capsys, "ship", str(copy), str(target), "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and report["problems"][0]["code"] == "conflict"
+    assert report["problems"][0]["staging_key"] == "run1-r0/c0"
+    code, out, _ = run(capsys, "ship", str(copy), str(target))
+    assert code == 1 and "conflict" in out
+
+
+def test_ship_into_any_backend(copy: Path, store_url: str, capsys: Any) -> None:
+    from store import open_store
+
+    open_store(store_url).close()  # an empty store on this backend
+    code, out, err = run(capsys, "ship", str(copy), store_url, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["appended"] == _events(capsys, str(copy)), err
+    code, out, _ = run(capsys, "audit", store_url, "--json")
+    assert code == 0 and json.loads(out)["ok"]
+    code, out, _ = run(capsys, "rollouts", store_url, "--json")
+    assert [rollout["rollout_id"] for rollout in json.loads(out)["rollouts"]] == ["run1-r0", "run1-r1", "run1-r2"]

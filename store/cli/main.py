@@ -31,6 +31,7 @@ COMMANDS = {
     "delete": "store.cli.retention:delete",
     "compact": "store.cli.retention:compact",
     "workers": "store.cli.workers:workers",
+    "ship": "store.cli.ship:ship",
 }
 
 
@@ -76,8 +77,8 @@ def cli() -> None:
 
     Every command takes the store as its first argument (a SQLite path or a postgresql://
     URL) or reads $STAGING_STORE.  Read commands open it read-only and never change a byte;
-    only `migrate`, `replay --repair` and the retention commands (retire, forget, delete,
-    compact) write, and those never create a store.  Every command has --json.
+    only `migrate`, `replay --repair`, `ship` (its DST) and the retention commands (retire,
+    forget, delete, compact) write, and those never create a store.  Every command has --json.
     """
 
 
