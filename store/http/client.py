@@ -76,7 +76,8 @@ class ControlClient:
         if "/" in rollout_id:
             raise InvalidRecordError(f"rollout_id cannot hold '/', got {rollout_id!r}")
         try:
-            result = self._call("GET", f"{LEDGER_PREFIX}/rollouts/{quote(rollout_id, safe='')}/manifest", None, RolloutManifest)
+            path = f"{LEDGER_PREFIX}/rollouts/{quote(rollout_id, safe='')}/manifest"
+            result = self._call("GET", path, None, RolloutManifest)
         except ControlRequestError as exc:
             if exc.status == 410:
                 raise RolloutFencedError(rollout_id, None) from exc
