@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import click
 
@@ -41,7 +44,7 @@ def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
     Prints one line with the address once listening; Ctrl-C or SIGTERM stops it (exit 0).
     """
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the extra's server; checked here for a one-line error)
 
         from store.http.routes import control_app
     except ImportError as exc:
@@ -60,13 +63,32 @@ def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
             listener = _listen(host, port)
             bound_host, bound_port = listener.getsockname()[:2]
             app = control_app(capture, opened, token)
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+            server = _server(app)
             sys.stdout.write(f"serving {shown(opened)} on http://{bound_host}:{bound_port}\n")
             sys.stdout.flush()
             server.run(sockets=[listener])
         finally:
             capture.close()
-    return exits.OK
+    return exits.INTERRUPTED if signal.SIGINT in server.stopped_by else exits.OK
+
+
+def _server(app: Any) -> Any:
+    """uvicorn's server, stopping gracefully on SIGTERM/SIGINT without re-raising the signal
+    afterwards (uvicorn would, so the command could not close the store and exit with its code)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            self.stopped_by: list[int] = []
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.stopped_by.append(sig)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C skips the graceful wait
+            self.should_exit = True
+
+    return Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
 
 def _token(path: Path) -> str:
