@@ -136,7 +136,6 @@ def test_cut_route_refuses_malformed_oversized_and_invalid_bodies_without_writin
 
 def test_cut_route_refuses_an_inventory_the_capture_refuses_with_a_4xx(store: Store) -> None:
     capture = start_live_calls(store, 1, 4)
-    duplicated = inventory(1)
     # The same call twice in one inventory (5.5 batch mode) is an error, not a 500.
     from store import GenerationCutInventory, GenerationCutPrefix
 
@@ -146,9 +145,8 @@ def test_cut_route_refuses_an_inventory_the_capture_refuses_with_a_4xx(store: St
     ]
     duplicated = GenerationCutInventory.build(checkpoint_id="k", server_name="policy", active_prefixes=prefixes)
     with client_for(store, capture) as client, writes_nothing(store):
-        response = client.post(CUT, content=to_json(duplicated), headers=AUTH)
-        assert 400 <= response.status_code < 500, response.text
-        assert response.json()["detail"]
+        body = _refused(client.post(CUT, content=to_json(duplicated), headers=AUTH), 409, "generation_cut_refused")
+        assert "more than once" in body["detail"]
     capture.close()
 
 
