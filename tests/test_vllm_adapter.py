@@ -203,3 +203,18 @@ def _json(value: Any) -> bytes:
     import json
 
     return json.dumps(value).encode()
+
+
+def test_the_store_package_and_the_adapter_import_no_web_framework() -> None:
+    """``[http]`` is optional: ``import store`` and the vLLM adapter load without fastapi, uvicorn or httpx."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, store\n"
+        "store.Store, store.VllmAdapter, store.RolloutTokenCapture\n"
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'httpx', 'starlette') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
