@@ -27,6 +27,7 @@ COMMANDS = {
     "versions": "store.cli.versions:versions",
     "export": "store.cli.export:export",
     "migrate": "store.cli.migrate:migrate",
+    "serve": "store.cli.serve:serve",
 }
 
 
