@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) tools/bench_linearize.py
 	$(PY) tools/bench_retention.py
 	$(PY) tools/bench_coordinator.py
+	$(PY) tools/bench_http.py
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from store.active_call import ActiveCall, Continuation
+    from store.adapters.vllm import VllmAdapter
     from store.audit import AuditProblem, AuditReport
     from store.capture import CaptureAdapter, RolloutTokenCapture
     from store.columns import FloatColumn, TokenIds
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         CaptureDataError,
         CaptureError,
         ConfigurationError,
+        ControlRequestError,
         CorruptRecordError,
         DigestMismatchError,
         DigestTypeError,
@@ -73,6 +75,8 @@ if TYPE_CHECKING:
         UnknownKeyError,
     )
     from store.events import EventKind
+    from store.http.client import ControlClient
+    from store.http.routes import control_app, control_router
     from store.lineage import (
         ExportFailure,
         ExportReport,
@@ -185,6 +189,11 @@ _MODULES = {
     "CaptureLedgerCommit": "store.records",
     "CommitCoords": "store.records",
     "ConfigurationError": "store.errors",
+    "ControlClient": "store.http.client",
+    "ControlRequestError": "store.errors",
+    "VllmAdapter": "store.adapters.vllm",
+    "control_app": "store.http.routes",
+    "control_router": "store.http.routes",
     "Continuation": "store.active_call",
     "CorruptRecordError": "store.errors",
     "DigestMismatchError": "store.errors",
@@ -312,6 +321,11 @@ __all__ = [
     "CaptureLedgerCommit",
     "CommitCoords",
     "ConfigurationError",
+    "ControlClient",
+    "ControlRequestError",
+    "VllmAdapter",
+    "control_app",
+    "control_router",
     "Continuation",
     "CorruptRecordError",
     "DigestMismatchError",

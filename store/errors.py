@@ -124,3 +124,20 @@ class RebuildError(ReceiptVerificationError):
 class ReceiptTypeError(ReceiptVerificationError, TypeError):
     """``verify_and_linearize`` was handed something that is not a receipt or a base snapshot
     (Gym raises ``TypeError`` for the same input)."""
+
+
+class ControlRequestError(StoreError):
+    """A control route (``store.http``) answered with an error, or with a body the client refuses.
+
+    ``status`` is the HTTP status (0 when the server could not be reached or its answer was not
+    the record asked for) and ``code`` the route's machine-readable reason.
+    """
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(f"{code} ({status}): {detail}" if status else f"{code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type, tuple[int, str, str]]:
+        return type(self), (self.status, self.code, self.detail)

@@ -32,6 +32,7 @@ COMMANDS = {
     "compact": "store.cli.retention:compact",
     "workers": "store.cli.workers:workers",
     "ship": "store.cli.ship:ship",
+    "serve": "store.cli.serve:serve",
 }
 
 

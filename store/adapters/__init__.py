@@ -1,0 +1,1 @@
+"""Engine adapters (``CaptureAdapter``): how a serving engine's requests and responses carry tokens."""

@@ -1,0 +1,158 @@
+"""``VllmAdapter``: a ``CaptureAdapter`` for vLLM's OpenAI-compatible server (wire-contract 6.5).
+
+Requests are rewritten so the response carries what capture needs: non-streaming, the
+sampled token's log-prob (``logprobs``; ``top_logprobs=0`` for chat), tokens as
+``token_id:<n>`` and the prompt and generated ids (``return_token_ids``), and the exact
+prefix for token_in (``required_prefix_token_ids``).  Responses are read as vLLM writes
+them (chat and completions, dicts or pydantic objects); anything that cannot be read raises
+``CaptureDataError``, which ``complete_call_from_response`` turns into poisoned coordinates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from store.errors import CaptureDataError
+from store.records import CommitCoords, to_json
+
+TOKEN_ID_PREFIX = "token_id:"
+COMMIT_COORDS_FIELD = "ng_commit_coords"
+_STREAM_ONLY = ("stream_options",)
+
+
+class VllmAdapter:
+    """Reads vLLM chat-completion and completion responses; writes capture's request fields."""
+
+    def enter_prefix(self, request: Any, prefix_ids: list[int]) -> dict[str, Any]:
+        """A copy of the request (a JSON object) forced into capture's shape; token_in prefixes
+        (``prefix_ids`` non-empty) ride as ``required_prefix_token_ids``."""
+        if not isinstance(request, Mapping):
+            raise CaptureDataError(f"a vLLM request must be a JSON object, got {type(request).__name__}")
+        forced = {key: value for key, value in request.items() if key not in _STREAM_ONLY}
+        forced["stream"] = False
+        if "messages" in forced:  # chat: logprobs is a flag, top_logprobs a count
+            forced["logprobs"] = True
+            forced["top_logprobs"] = 0
+        else:  # completions: logprobs is the count of alternatives beside the sampled token
+            forced["logprobs"] = 0
+        forced["return_tokens_as_token_ids"] = True
+        forced["return_token_ids"] = True
+        prefix = _ints("prefix_ids", prefix_ids)
+        if prefix:
+            forced["required_prefix_token_ids"] = prefix
+        else:
+            forced.pop("required_prefix_token_ids", None)
+        return forced
+
+    def extract_prompt_ids(self, payload: Any) -> list[int]:
+        """The engine prompt: the choice's ``prompt_token_ids``, else the response's (chat)."""
+        response = _object(payload)
+        choice = _choice(response)
+        ids = choice.get("prompt_token_ids")
+        if ids is None:
+            ids = response.get("prompt_token_ids")
+        if ids is None:
+            raise CaptureDataError("the response carries no prompt_token_ids (request return_token_ids=true)")
+        return _ints("prompt_token_ids", ids)
+
+    def extract_generation(self, payload: Any) -> tuple[list[int], list[float]]:
+        """Generated ids (``token_ids``, else the ``token_id:<n>`` log-prob tokens) and their log-probs."""
+        choice = _choice(_object(payload))
+        tokens, logprobs = _logprob_entries(choice.get("logprobs"))
+        ids = choice.get("token_ids")
+        if ids is not None:
+            generated = _ints("token_ids", ids)
+            if tokens and [_token_id(token) for token in tokens] != generated:
+                raise CaptureDataError("the choice's token_ids differ from its log-prob tokens")
+        elif tokens:
+            generated = [_token_id(token) for token in tokens]
+        else:
+            raise CaptureDataError("the choice carries neither token_ids nor token_id:<n> log-prob tokens")
+        if len(logprobs) != len(generated):
+            raise CaptureDataError(
+                f"{len(generated)} generated tokens but {len(logprobs)} log-probs (request logprobs=true)"
+            )
+        return generated, logprobs
+
+    def extract_extras(self, payload: Any) -> dict[str, Any] | None:
+        """The choice's ``routed_experts`` (NeMo RL's routing replay), if the engine returned them."""
+        routes = _choice(_object(payload)).get("routed_experts")
+        return None if routes is None else {"routed_experts": routes}
+
+    def park_commit_coords(self, payload: Any, coords: CommitCoords) -> dict[str, Any]:
+        """A copy of the response (a JSON object) with the coordinates as ``ng_commit_coords``."""
+        if not isinstance(coords, CommitCoords):
+            raise CaptureDataError(f"park_commit_coords needs CommitCoords, got {type(coords).__name__}")
+        response = dict(_object(payload))
+        response[COMMIT_COORDS_FIELD] = msgspec.json.decode(to_json(coords))
+        return response
+
+
+def _object(payload: Any) -> Mapping[str, Any]:
+    """A JSON object, or a pydantic response object as vLLM's server builds it."""
+    if isinstance(payload, Mapping):
+        return payload
+    dump = getattr(payload, "model_dump", None)
+    if callable(dump):
+        dumped = dump()
+        if isinstance(dumped, Mapping):
+            return dumped
+    raise CaptureDataError(f"a vLLM response must be a JSON object, got {type(payload).__name__}")
+
+
+def _choice(response: Mapping[str, Any]) -> Mapping[str, Any]:
+    choices = response.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], Mapping):
+        count = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise CaptureDataError(f"a captured call needs exactly one choice (n=1), got {count}")
+    return choices[0]
+
+
+def _logprob_entries(logprobs: Any) -> tuple[list[Any], list[float]]:
+    """(tokens, log-probs) of a chat ``{"content": [...]}`` or a completions ``{"tokens", "token_logprobs"}``."""
+    if logprobs is None:
+        return [], []
+    if not isinstance(logprobs, Mapping):
+        raise CaptureDataError(f"logprobs must be an object, got {type(logprobs).__name__}")
+    if "content" in logprobs:
+        content = logprobs["content"] or []
+        if not isinstance(content, list) or not all(isinstance(entry, Mapping) for entry in content):
+            raise CaptureDataError("logprobs.content must be a list of objects")
+        return [entry.get("token") for entry in content], [_logprob(entry.get("logprob")) for entry in content]
+    tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+    if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
+        raise CaptureDataError("logprobs.tokens and logprobs.token_logprobs must be lists of one length")
+    return tokens, [_logprob(value) for value in values]
+
+
+def _token_id(token: Any) -> int:
+    if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+        raise CaptureDataError(f"log-prob token {token!r} is not token_id:<n> (request return_tokens_as_token_ids)")
+    digits = token[len(TOKEN_ID_PREFIX) :]
+    if not digits.isascii() or not digits.isdigit():
+        raise CaptureDataError(f"log-prob token {token!r} does not name a token id")
+    return int(digits)
+
+
+def _logprob(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CaptureDataError(f"a log-prob must be a number, got {value!r}")
+    result = float(value)
+    if math.isnan(result) or result > 0.0:
+        raise CaptureDataError(f"a log-prob must be <= 0, got {value!r}")
+    return result
+
+
+def _ints(name: str, values: Any) -> list[int]:
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise CaptureDataError(f"{name} must be a list of token ids, got {type(values).__name__}")
+    out: list[int] = []
+    for value in values:
+        if type(value) is not int or value < 0:
+            raise CaptureDataError(f"{name} holds {value!r}, not a token id")
+        out.append(value)
+    return out

@@ -1,0 +1,115 @@
+"""Over a real socket on loopback with a real HTTP client: a worker process serving cuts of live
+calls (also concurrently), refusals, the ledger client; then the worker is SIGKILLed and
+``staging-store serve`` on the same store answers the same inventory with the identical receipt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from http_helpers import TOKEN, inventory  # noqa: E402
+
+from store import ControlClient, GenerationCutReceipt, RolloutRemoval, from_json, open_store, to_json  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CUT = "/ng-control/v1/generation-cut"
+CALLS, TOKENS = 4, 8
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO), str(TESTS), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@contextmanager
+def _process(args: list[str], ready_prefix: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start a server process and yield it with its first stdout line (its address)."""
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()  # the server prints its address once it listens
+        if not line.startswith(ready_prefix):
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"server did not start ({line!r}):\n{err}")
+        yield proc, line
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_cut_over_loopback_survives_a_worker_kill_and_serve_replays_it(store_url: str, tmp_path: Path) -> None:
+    sent = inventory(CALLS)
+    body = to_json(sent)
+    worker = [sys.executable, str(TESTS / "http_worker.py"), store_url, str(CALLS), str(TOKENS)]
+    with _process(worker, "PORT ") as (proc, line):
+        base = f"http://127.0.0.1:{line.split()[1]}"
+        with httpx.Client(base_url=base, timeout=60) as http:
+            # Concurrent cut requests for the same inventory: one cut, one identical receipt for all.
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda _: http.post(CUT, content=body, headers=AUTH), range(4)))
+            assert [answer.status_code for answer in answers] == [200] * 4, answers[0].text
+            assert len({answer.content for answer in answers}) == 1
+            receipt_bytes = answers[0].content
+            receipt = from_json(receipt_bytes, GenerationCutReceipt)
+            receipt.validate_for(sent)
+            assert [ack.prefix_token_count for ack in receipt.prefixes] == [TOKENS] * CALLS
+
+            # Refusals over the wire: JSON 4xx, never a 500.
+            assert http.post(CUT, content=body).status_code == 401
+            assert http.post(CUT, content=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+            assert http.post(CUT, content=b"{", headers=AUTH).json()["code"] == "malformed_json"
+            big = http.post(CUT, content=b" " * (64 * 1024 + 1), headers=AUTH)
+            assert (big.status_code, big.json()["code"]) == (413, "body_too_large")
+            too_many = {"rollout_ids": [f"x{i}" for i in range(4097)]}
+            path = "/training-token-capture/control/rollouts/retire"
+            refused = http.post(path, json=too_many, headers=AUTH)
+            assert refused.status_code == 422 and "4097" in refused.json()["detail"]
+
+        # The ledger client over the socket.
+        with ControlClient(f"{base}/v1", TOKEN) as client:
+            assert client.manifest("h0").records == []
+            removal = client.retire([f"x{i}" for i in range(10)])
+            assert removal == RolloutRemoval(absent=[f"x{i}" for i in range(10)])
+            assert client.generation_cut(sent) == receipt
+
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    serve = [sys.executable, "-c", "import sys; from store.cli import main; sys.exit(main())"]
+    serve += ["serve", store_url, "--token-file", str(token_file), "--port", "0"]
+    with _process(serve, "serving ") as (proc, line):
+        base = line.rsplit(" ", 1)[1]
+        with open_store(store_url) as store:
+            before = store.replay().events
+        with httpx.Client(base_url=base, timeout=60) as http:
+            again = http.post(CUT, content=body, headers=AUTH)
+            assert again.status_code == 200, again.text
+            assert again.content == receipt_bytes  # the restarted worker's identical receipt
+            assert http.post(CUT, content=body, headers={"Authorization": "Bearer x"}).status_code == 401
+        with open_store(store_url) as store:
+            assert store.replay().events == before  # the replay wrote nothing
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
