@@ -307,3 +307,16 @@ def test_a_shipped_worker_leave_names_its_join_in_the_target(store_url: str, tmp
         assert worker.join_seq != joined
         assert target.event_origin(worker.join_seq) == EventOrigin(source.store_id, joined)
         assert target.replay().ok and target.audit().ok
+
+
+def test_retention_cleanup_past_a_fence_ships_past_it_too(store_url: str, tmp_path: Path) -> None:
+    """Store.retain withdraws keys of a retired capture key at its origin; the ship must not refuse it."""
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for call in ("c0", "c1"):
+            assert source.stage(make_record(rollout_id="r1", model_call_id=call)).ok
+        source.retire(["r1"])
+        assert source.retain(["r1/c0"], capture_keys=["r1"]).removed == ["r1/c1"]
+        report = source.ship(target)
+        assert report.ok, report.summary()
+        assert staged_keys(target) == staged_keys(source) and set(staged_keys(source)) == {"r1/c0"}
+        assert target.replay().ok and target.audit().ok

@@ -31,6 +31,7 @@ from store.events import (
 from store.log import NewEvent, WriteTransaction
 from store.retention import removal
 from store.retention.removal import RetentionStatements
+from store.retention.retain import RETENTION_REASON
 from store.shipping.identity import EventOrigin
 from store.shipping.source import SourceEvent
 from store.store import _owned, _stage
@@ -206,7 +207,14 @@ def _apply(
         live = [key for key in body.staging_keys if _owned(tx, key, new.rollout_id, new.model_call_id)]
         if live:
             cleared = KeysClearedBody(staging_keys=live, reason=body.reason)
-            tx.append(NewEvent(new.kind, new.rollout_id, new.model_call_id, cleared, recorded_at=new.recorded_at))
+            # Retention's own cleanup passes a fence at its origin (Store.retain): here too.
+            past_fence = body.reason == RETENTION_REASON
+            tx.append(
+                NewEvent(
+                    new.kind, new.rollout_id, new.model_call_id, cleared,
+                    recorded_at=new.recorded_at, past_fence=past_fence,
+                )
+            )
     elif new.kind is EventKind.CUT_RECEIPT:
         body = new.body
         assert isinstance(body, CutReceiptBody)
