@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,16 +133,37 @@ class Reader:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._errors = driver_errors(engine)
+        # The connection a ``pinned`` block reads on, per thread and task (a context variable).
+        self._pinned: ContextVar[sa.Connection | None] = ContextVar(f"store_reader_{id(self)}", default=None)
 
     @contextmanager
     def connection(self, action: str) -> Iterator[sa.Connection]:
+        """A pooled connection, or the pinned one inside a ``pinned`` block."""
+        pinned = self._pinned.get()
         try:
+            if pinned is not None:
+                yield pinned
+                return
             with self._engine.connect() as connection:
                 yield connection
         except self._errors as exc:
             if undecodable_text(exc):
                 raise CorruptRecordError(f"{action} failed: stored text is not UTF-8 (the file is damaged)") from exc
             raise storage_error(action, exc) from exc
+
+    @contextmanager
+    def pinned(self, action: str) -> Iterator[None]:
+        """Every read inside the block shares one connection: one pool checkout for a read made
+        of several queries (``Store.linearize`` reads calls, records and admissions)."""
+        if self._pinned.get() is not None:
+            yield
+            return
+        with self.connection(action) as connection:
+            token = self._pinned.set(connection)
+            try:
+                yield
+            finally:
+                self._pinned.reset(token)
 
     def fetch(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StagedCallSnapshot]:
         return [chunk.snapshot for chunk in self.fetch_with_spans(keys, verify_digests=verify_digests)]

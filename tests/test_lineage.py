@@ -23,6 +23,7 @@ from store import (
     ReceiptVerificationError,
     RolloutTokenCapture,
     StaleCall,
+    StorageError,
     Store,
     compute_chain_hash,
     hash_token_ids,
@@ -253,6 +254,36 @@ def test_linearized_tokens_hash_to_the_terminal_cumulative_hash(store: Store) ->
     info = store.call("r0-a1", "c1")
     assert info is not None and info.cumulative_hash == hash_token_ids(expected) == hash_token_ids(row.token_ids)
     assert list(row.token_ids[: len(PROMPT) + len(ROOT_GENERATED)]) == [*PROMPT, *ROOT_GENERATED]
+
+
+def test_linearize_reads_a_rollout_on_one_connection(store: Store) -> None:
+    """Calls, records and admissions are read on one pooled connection, not one per query."""
+    expected = two_call_rollout(store, "r0", interrupted=True)
+    checkouts: list[object] = []
+
+    def count(*_: object) -> None:
+        checkouts.append(_)
+
+    sa.event.listen(store._engine, "checkout", count)
+    try:
+        [row] = store.linearize("r0-a1").rows  # an attempt's key: resolving it is one more read
+    finally:
+        sa.event.remove(store._engine, "checkout", count)
+    assert list(row.token_ids) == expected
+    assert len(checkouts) == 1
+
+
+def test_a_failed_read_in_a_pinned_block_is_a_storage_error_and_frees_the_pin(store: Store) -> None:
+    reader = store._reader
+    with (
+        pytest.raises(StorageError, match="reading nothing"),
+        reader.pinned("reading a rollout"),
+        reader.connection("reading nothing") as connection,
+    ):
+        connection.execute(sa.text("SELECT * FROM no_such_table"))
+    assert reader._pinned.get() is None
+    two_call_rollout(store, "r0", interrupted=False)
+    assert len(store.linearize("r0").rows) == 1, "the pool still serves reads after the failed block"
 
 
 # --- Store.export_jsonl --------------------------------------------------------------------------

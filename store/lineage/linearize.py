@@ -84,16 +84,17 @@ def rollout_records(reader: Reader, rollout_id: str) -> RolloutRecords:
     call completed; a 6.3 outcome (``ambiguous_terminal``, ...) as a ``RebuildError`` code when
     no terminal call can be selected.
     """
-    bare = resolve_rollout(reader, rollout_id)
-    calls = family_calls(reader, bare)
-    rows, failed = _terminal_rows(calls)
-    if failed:
-        raise ReceiptVerificationError("capture_poisoned", f"rollout {bare!r}: capture failed for calls {failed}")
-    if not rows:
-        raise ReceiptVerificationError("empty_manifest", f"rollout {bare!r} has no completed call")
-    keys = [default_staging_key(call.capture_key, call.state.model_call_id) for call in rows]
-    snapshots = [chunk.snapshot for chunk in reader.fetch_with_spans(keys, verify_digests=False)]
-    admitted = admissions(reader, bare, {call.capture_key for call in rows})
+    with reader.pinned("reading a rollout"):  # one connection for the four reads below
+        bare = resolve_rollout(reader, rollout_id)
+        calls = family_calls(reader, bare)
+        rows, failed = _terminal_rows(calls)
+        if failed:
+            raise ReceiptVerificationError("capture_poisoned", f"rollout {bare!r}: capture failed for calls {failed}")
+        if not rows:
+            raise ReceiptVerificationError("empty_manifest", f"rollout {bare!r} has no completed call")
+        keys = [default_staging_key(call.capture_key, call.state.model_call_id) for call in rows]
+        snapshots = [chunk.snapshot for chunk in reader.fetch_with_spans(keys, verify_digests=False)]
+        admitted = admissions(reader, bare, {call.capture_key for call in rows})
     manifest = [
         _manifest_row(bare, call, snapshot, admitted.get((call.capture_key, call.state.model_call_id)))
         for call, snapshot in zip(rows, snapshots, strict=True)
