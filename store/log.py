@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -61,6 +61,23 @@ class NewEvent:
     # The framework's own cleanup (``Store.retain``) withdraws keys of retired capture keys too.
     past_fence: bool = False
     recorded_at: float | None = None  # None: now; a shipped event keeps its origin's time
+    # The stored form (body, ids, mask, log-probs), encoded once when the event is built, so
+    # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
+    stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        columns = self.columns
+        stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
+        if columns is None:
+            stored = (encode_body(self.body), None, None, None)
+        else:
+            stored = (
+                encode_body(self.body),
+                encode_ids(columns.token_ids),
+                encode_mask(columns.token_mask),
+                encode_floats(columns.log_probs),
+            )
+        object.__setattr__(self, "stored", stored)
 
 
 class _Statements:
@@ -229,7 +246,7 @@ class WriteTransaction:
         else:
             values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
             version = (self._execute(self._sql.stream_version, values).fetchone()[0] or 0) + 1
-        columns = new.columns
+        body, token_ids, token_mask, log_probs = new.stored
         stored: dict[str, Any] = {
             "rollout_id": new.rollout_id,
             "model_call_id": new.model_call_id,
@@ -238,10 +255,10 @@ class WriteTransaction:
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
             "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
-            "body": encode_body(new.body),
-            "token_ids": None if columns is None else encode_ids(columns.token_ids),
-            "token_mask": None if columns is None else encode_mask(columns.token_mask),
-            "log_probs": None if columns is None else encode_floats(columns.log_probs),
+            "body": body,
+            "token_ids": token_ids,
+            "token_mask": token_mask,
+            "log_probs": log_probs,
         }
         stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
         row = self._execute(self._sql.insert_event, stored).fetchone()
