@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 @dataclass(frozen=True)
 class StageEntry:
     """One record to stage: under ``staging_key`` (default key if None), as ``kind``, with its version spans."""
@@ -339,14 +340,28 @@ class Store:
 
     @operation
     def record_worker(
-        self, kind: str, pid: int, *, index: int, joined_seq: int | None = None, connected: int, expected: int,
+        self,
+        kind: str,
+        pid: int,
+        *,
+        index: int,
+        joined_seq: int | None = None,
+        connected: int,
+        expected: int,
         checkpoint_id: str | None = None,
     ) -> int:
         """Log a policy worker joining, stopping or lost (the coordinator does); returns its sequence number."""
         from store.coordinator.history import worker_event  # the coordinator builds on the store
 
-        event = worker_event(kind, pid, index=index, joined_seq=joined_seq, connected=connected,
-                             expected=expected, checkpoint_id=checkpoint_id)
+        event = worker_event(
+            kind,
+            pid,
+            index=index,
+            joined_seq=joined_seq,
+            connected=connected,
+            expected=expected,
+            checkpoint_id=checkpoint_id,
+        )
         return self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     @operation
@@ -525,8 +540,9 @@ class Store:
 
 def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
     assert event.staging_key is not None
-    tx.check_fence(event.rollout_id)  # even an identical re-stage of a retired key is refused
-    existing = tx.key(event.staging_key)
+    # One read: even an identical re-stage of a retired capture key is refused here.
+    lookup = tx.stage_lookup(event.rollout_id, event.model_call_id, event.staging_key)
+    existing = lookup.key
     if existing is not None:
         same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)
         if same_call and existing.digest == digest:
@@ -538,7 +554,7 @@ def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
                 f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
             ),
         )
-    tx.append(event)
+    tx.append(event, lookup)
     return StageResult(ok=True, staging_key=event.staging_key)
 
 

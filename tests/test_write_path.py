@@ -604,3 +604,28 @@ def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monk
         assert store.fetch([record.staging_key])[0].digest == record.digest
     finally:
         store.close()
+
+
+def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new record: one lookup (fence, key, call, version), then the event, the calls row and the key."""
+    from store.log import WriteTransaction
+
+    executed: list[str] = []
+    original = WriteTransaction._execute
+
+    def counting(self: WriteTransaction, statement: Any, values: dict[str, Any]) -> Any:
+        executed.append(statement.sql.split()[0].upper())
+        return original(self, statement, values)
+
+    monkeypatch.setattr(WriteTransaction, "_execute", counting)
+    store = open_store(store_url)
+    try:
+        record = make_record(rollout_id="lean")
+        assert store.stage(record).ok
+        assert executed == ["SELECT", "INSERT", "INSERT", "INSERT"]
+        executed.clear()
+        assert store.stage(record).ok  # an identical re-stage: the lookup alone
+        assert executed == ["SELECT"]
+        assert store.call("lean", record.model_call_id) is not None
+    finally:
+        store.close()
