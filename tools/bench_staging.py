@@ -11,8 +11,9 @@ Pairs (each ratio = store records/s over raw records/s in the same round):
 
 * ``store x1``  vs ``raw 1/txn``   -- one thread calls ``Store.stage``; raw: BEGIN IMMEDIATE, one INSERT, COMMIT;
 * ``store x16`` vs ``raw 16/txn``  -- 16 threads stage concurrently (group commit); raw: 16 rows per transaction;
-* ``floor x1``  vs ``raw 1/txn``   -- for scale: the store's own statements for each record through raw
-  sqlite3 on the store's schema, no Python around them (the most this schema could reach).
+* ``floor x1``  vs ``raw 1/txn``   -- for scale: the store's own statements for each record (its one lookup,
+  then the event, calls and key inserts) through raw sqlite3 on the store's schema, no Python
+  around them (the most this schema could reach).
 
 Raw rows hold the bytes the store keeps for each record (packed columns, msgpack body, xxh3
 checksum), encoded before the clock starts, at the store's pragmas (WAL, synchronous=FULL).
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,11 +46,14 @@ from _bench_common import Report, Target, make_columns, parser, temp_dir
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.events import encode_body, record_body
+from store.log import _stage_lookup
 from store.projections import generated_spans
 
 TOKENS = 4_096
 THREADS = 16
 TARGET_1 = 0.85
+# The store's own read per stage (fence, key, calls row, stream version), compiled for SQLite.
+STAGE_LOOKUP = _stage_lookup(sa.create_engine("sqlite://"))
 TARGET_MANY = 0.70
 WEIGHT_VERSION = 7
 
@@ -118,12 +123,8 @@ def run_store_schema_floor(path: str, records: list[StagedCallRecord], rows: lis
         for record, (key, body, ids, mask, lps, checksum) in zip(records, rows, strict=True):
             stream = (record.rollout_id, record.model_call_id)
             connection.execute("BEGIN IMMEDIATE")
-            connection.execute("SELECT fenced, fence_seq FROM rollouts WHERE rollout_id = ?", stream[:1]).fetchone()
-            connection.execute("SELECT event_seq, digest FROM staged_keys WHERE staging_key = ?", (key,)).fetchone()
-            connection.execute("SELECT * FROM calls WHERE rollout_id = ? AND model_call_id = ?", stream).fetchone()
-            connection.execute(
-                "SELECT max(stream_version) FROM events WHERE rollout_id = ? AND model_call_id = ?", stream
-            ).fetchone()
+            lookup = {"rollout_id": stream[0], "model_call_id": stream[1], "staging_key": key}
+            connection.execute(STAGE_LOOKUP.sql, STAGE_LOOKUP.params(lookup)).fetchone()
             seq = connection.execute(
                 "INSERT INTO events (rollout_id, model_call_id, stream_version, kind, staging_key, writer_pid, "
                 "recorded_at, body, token_ids, token_mask, log_probs, checksum) "
