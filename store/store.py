@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-
 @dataclass(frozen=True)
 class StageEntry:
     """One record to stage: under ``staging_key`` (default key if None), as ``kind``, with its version spans."""
@@ -340,28 +339,14 @@ class Store:
 
     @operation
     def record_worker(
-        self,
-        kind: str,
-        pid: int,
-        *,
-        index: int,
-        joined_seq: int | None = None,
-        connected: int,
-        expected: int,
+        self, kind: str, pid: int, *, index: int, joined_seq: int | None = None, connected: int, expected: int,
         checkpoint_id: str | None = None,
     ) -> int:
         """Log a policy worker joining, stopping or lost (the coordinator does); returns its sequence number."""
         from store.coordinator.history import worker_event  # the coordinator builds on the store
 
-        event = worker_event(
-            kind,
-            pid,
-            index=index,
-            joined_seq=joined_seq,
-            connected=connected,
-            expected=expected,
-            checkpoint_id=checkpoint_id,
-        )
+        event = worker_event(kind, pid, index=index, joined_seq=joined_seq, connected=connected,
+                             expected=expected, checkpoint_id=checkpoint_id)
         return self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     @operation
