@@ -39,12 +39,13 @@ def _readonly(values: np.ndarray) -> np.ndarray:
 class TokenIds(Sequence[int]):
     """An immutable column of u64 token ids, held big-endian: the form every digest hashes."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_stored", "_values")
 
     def __init__(self, values: np.ndarray) -> None:
         # Trusted: callers pass a validated uint64 array, in either byte order (use
         # ``coerce`` otherwise).  One big-endian copy serves hashing and reading alike.
         self._values = _readonly(_big_endian_u64(values))
+        self._stored: bytes | None = None  # encode_ids' result, kept: a column is encoded once
 
     @classmethod
     def coerce(cls, ids: Any, name: str = "token ids") -> TokenIds:
@@ -139,7 +140,7 @@ def _ids_from_buffer(ids: np.ndarray | array.array[int], name: str) -> np.ndarra
 class FloatColumn(Sequence[float]):
     """An immutable column of finite floats hashed as IEEE-754 binary32 (wire-contract 2.5)."""
 
-    __slots__ = ("_carry", "_f32", "_values")
+    __slots__ = ("_carry", "_f32", "_stored_floats", "_stored_mask", "_values")
 
     def __init__(self, values: np.ndarray | None, f32: np.ndarray) -> None:
         # Trusted: ``values`` are finite float64 (None: the binary32 values widened, made on
@@ -148,6 +149,9 @@ class FloatColumn(Sequence[float]):
         self._values = None if values is None else _readonly(values)
         self._f32 = _readonly(f32 if f32.dtype == _F32_BE else f32.astype(_F32_BE))
         self._carry: int | None = -1  # -1: not computed yet (see carry_count)
+        # encode_mask's and encode_floats' results, kept: a column is encoded once.
+        self._stored_mask: bytes | None = None
+        self._stored_floats: bytes | None = None
 
     @classmethod
     def coerce(cls, values: Any, name: str) -> FloatColumn:
@@ -296,10 +300,15 @@ _ONE_F32 = b"\x3f\x80\x00\x00"
 
 def encode_ids(ids: TokenIds) -> bytes:
     """u32 little-endian when every id fits (typical vocabularies), else u64."""
-    values = ids.array
-    if values.size == 0 or int(values.max()) < 2**32:
-        return _IDS_U32 + values.astype("<u4").tobytes()
-    return _IDS_U64 + values.astype("<u8").tobytes()
+    stored = ids._stored
+    if stored is None:
+        values = ids.array
+        if values.size == 0 or int(values.max()) < 2**32:
+            stored = _IDS_U32 + values.astype("<u4").tobytes()
+        else:
+            stored = _IDS_U64 + values.astype("<u8").tobytes()
+        ids._stored = stored
+    return stored
 
 
 def decode_ids(data: bytes) -> TokenIds:
@@ -320,10 +329,15 @@ def carry_count(mask: FloatColumn) -> int | None:
 
 def encode_mask(mask: FloatColumn) -> bytes:
     """Carry-then-generation masks (the common shape) take seventeen bytes whatever their length."""
-    carry = carry_count(mask)
-    if carry is not None:
-        return _MASK_RUN + carry.to_bytes(8, "big") + len(mask).to_bytes(8, "big")
-    return _MASK_RAW + mask.big_endian_f32().tobytes()
+    stored = mask._stored_mask
+    if stored is None:
+        carry = carry_count(mask)
+        if carry is not None:
+            stored = _MASK_RUN + carry.to_bytes(8, "big") + len(mask).to_bytes(8, "big")
+        else:
+            stored = _MASK_RAW + mask.big_endian_f32().tobytes()
+        mask._stored_mask = stored
+    return stored
 
 
 def decode_mask(data: bytes) -> FloatColumn:
@@ -342,7 +356,10 @@ def decode_mask(data: bytes) -> FloatColumn:
 
 
 def encode_floats(values: FloatColumn) -> bytes:
-    return _F32_RAW + values.big_endian_f32().tobytes()
+    stored = values._stored_floats
+    if stored is None:
+        stored = values._stored_floats = _F32_RAW + values.big_endian_f32().tobytes()
+    return stored
 
 
 def decode_floats(data: bytes) -> FloatColumn:

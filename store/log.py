@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -61,6 +61,23 @@ class NewEvent:
     # The framework's own cleanup (``Store.retain``) withdraws keys of retired capture keys too.
     past_fence: bool = False
     recorded_at: float | None = None  # None: now; a shipped event keeps its origin's time
+    # The stored form (body, ids, mask, log-probs), encoded once when the event is built, so
+    # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
+    stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        columns = self.columns
+        stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
+        if columns is None:
+            stored = (encode_body(self.body), None, None, None)
+        else:
+            stored = (
+                encode_body(self.body),
+                encode_ids(columns.token_ids),
+                encode_mask(columns.token_mask),
+                encode_floats(columns.log_probs),
+            )
+        object.__setattr__(self, "stored", stored)
 
 
 class _Statements:
@@ -148,10 +165,48 @@ class _Statements:
             .values({c: sa.bindparam(c.name) for c in rollouts.c if c.name != "rollout_id"}),
             engine,
         )
+        self.stage_lookup = _stage_lookup(engine)
         workers = schema.workers
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
+
+
+def _stage_lookup(engine: Engine) -> Statement:
+    """Everything a stage reads, in one statement: the capture key's fence, the staging key,
+    the calls row and the stream's last version (one row always: primary-key left joins)."""
+    events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
+    rollout_id: sa.BindParameter[str] = sa.bindparam("rollout_id")
+    model_call_id: sa.BindParameter[str] = sa.bindparam("model_call_id")
+    one = sa.select(sa.literal_column("1").label("one")).subquery("one")
+    last_version = (
+        sa.select(sa.func.max(events.c.stream_version))
+        .where(events.c.rollout_id == rollout_id, events.c.model_call_id == model_call_id)
+        .scalar_subquery()
+    )
+    joined = (
+        one.outerjoin(rollouts, rollouts.c.rollout_id == rollout_id)
+        .outerjoin(keys, keys.c.staging_key == sa.bindparam("staging_key"))
+        .outerjoin(calls, sa.and_(calls.c.rollout_id == rollout_id, calls.c.model_call_id == model_call_id))
+    )
+    picked: list[sa.ColumnElement[Any]] = [
+        rollouts.c.fenced,
+        rollouts.c.fence_seq,
+        keys.c.event_seq,
+        keys.c.rollout_id,
+        keys.c.model_call_id,
+    ]
+    picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
+    return Statement(sa.select(*picked).select_from(joined), engine)
+
+
+@dataclass(frozen=True)
+class StageLookup:
+    """What one stage found in the transaction (``WriteTransaction.stage_lookup``)."""
+
+    key: KeyState | None
+    call: CallState | None
+    last_version: int  # the stream's highest stream_version, 0 for a new stream
 
 
 class WriteTransaction:
@@ -219,17 +274,47 @@ class WriteTransaction:
             raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
         self._unfenced.add(rollout_id)
 
-    def append(self, new: NewEvent) -> int:
-        """Append one event and fold it into the projections; returns its sequence number."""
+    def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
+        """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
+        returns the staging key's row, the calls row and the stream's last version."""
+        row = self._execute(
+            self._sql.stage_lookup,
+            {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key},
+        ).fetchone()
+        if rollout_id not in self._unfenced:
+            if row[0]:
+                raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
+            self._unfenced.add(rollout_id)
+        key = None if row[2] is None else KeyState(int(row[2]), row[3], row[4], row[5])
+        call_row = row[7:]
+        call = None
+        if call_row[0] is not None:
+            call = CallState.from_row(dict(zip(self._sql.call_columns, call_row, strict=True)))
+        return StageLookup(key, call, int(row[6] or 0))
+
+    def append(self, new: NewEvent, lookup: StageLookup | None = None) -> int:
+        """Append one event and fold it into the projections; returns its sequence number.
+
+        ``lookup``: what ``stage_lookup`` just read for this event's stream, in this
+        transaction with nothing appended since (saves reading the calls row and version again).
+        """
         if fenced_kind(new.kind) and not new.past_fence:
             self.check_fence(new.rollout_id)
-        call = self.call(new.rollout_id, new.model_call_id) if affects_call(new.kind) else None
+        call: CallState | None
+        if lookup is not None:
+            call = lookup.call if affects_call(new.kind) else None
+            last_version = lookup.last_version
+        else:
+            call = self.call(new.rollout_id, new.model_call_id) if affects_call(new.kind) else None
+            last_version = None
         if call is not None:
             version = call.stream_version + 1  # the calls row tracks its stream's position
         else:
-            values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
-            version = (self._execute(self._sql.stream_version, values).fetchone()[0] or 0) + 1
-        columns = new.columns
+            if last_version is None:
+                values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
+                last_version = self._execute(self._sql.stream_version, values).fetchone()[0] or 0
+            version = last_version + 1
+        body, token_ids, token_mask, log_probs = new.stored
         stored: dict[str, Any] = {
             "rollout_id": new.rollout_id,
             "model_call_id": new.model_call_id,
@@ -238,10 +323,10 @@ class WriteTransaction:
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
             "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
-            "body": encode_body(new.body),
-            "token_ids": None if columns is None else encode_ids(columns.token_ids),
-            "token_mask": None if columns is None else encode_mask(columns.token_mask),
-            "log_probs": None if columns is None else encode_floats(columns.log_probs),
+            "body": body,
+            "token_ids": token_ids,
+            "token_mask": token_mask,
+            "log_probs": log_probs,
         }
         stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
         row = self._execute(self._sql.insert_event, stored).fetchone()

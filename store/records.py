@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from store import digest as _digest
-from store.columns import FloatColumn, TokenIds
+from store.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
 from store.digest import EMPTY_EXTRAS_DIGEST, STAGING_SCHEMA_VERSION, PackedColumns
 from store.errors import DigestMismatchError, InvalidRecordError
 
@@ -452,6 +452,10 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
             if isinstance(exc, InvalidRecordError):
                 raise
             raise _fail(cls.__name__, str(exc)) from exc
+        # The stored form too, while the columns are hot: stage() then takes the lock with bytes ready.
+        encode_ids(columns.token_ids)
+        encode_mask(columns.token_mask)
+        encode_floats(columns.log_probs)
         with _prehashed(digest, columns, extras_verified=True):
             return cls(
                 schema_version=schema_version,  # type: ignore[arg-type]

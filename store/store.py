@@ -525,8 +525,9 @@ class Store:
 
 def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
     assert event.staging_key is not None
-    tx.check_fence(event.rollout_id)  # even an identical re-stage of a retired key is refused
-    existing = tx.key(event.staging_key)
+    # One read: even an identical re-stage of a retired capture key is refused here.
+    lookup = tx.stage_lookup(event.rollout_id, event.model_call_id, event.staging_key)
+    existing = lookup.key
     if existing is not None:
         same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)
         if same_call and existing.digest == digest:
@@ -538,7 +539,7 @@ def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
                 f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
             ),
         )
-    tx.append(event)
+    tx.append(event, lookup)
     return StageResult(ok=True, staging_key=event.staging_key)
 
 

@@ -98,3 +98,19 @@ def test_a_token_id_column_of_a_broken_length_is_a_value_error() -> None:
         decode_ids(b"4" + b"\x01\x02\x03")  # three bytes: no whole u32
     assert len(decode_ids(b"4")) == 0
     assert np.array_equal(decode_ids(b"8" + (5).to_bytes(8, "little")).array, [5])
+
+
+def test_a_record_built_from_components_carries_its_stored_form() -> None:
+    """from_components encodes the columns for storage once, when the record is built."""
+    from factories import make_record
+
+    from store.columns import encode_floats, encode_ids, encode_mask
+
+    columns = make_record(rollout_id="stored-form").columns
+    assert columns.token_ids._stored is not None
+    assert columns.token_mask._stored_mask is not None
+    assert columns.log_probs._stored_floats is not None
+    # Later encodings hand back the very bytes computed at build time.
+    assert encode_ids(columns.token_ids) is columns.token_ids._stored
+    assert encode_mask(columns.token_mask) is columns.token_mask._stored_mask
+    assert encode_floats(columns.log_probs) is columns.log_probs._stored_floats

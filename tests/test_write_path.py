@@ -570,3 +570,62 @@ def test_a_durable_restage_on_postgres_commits_a_record_that_flushes_the_log(sto
         # A commit with a transaction id writes a commit record and, with synchronous_commit
         # on, waits until the log is flushed up to it (the unsynced commit included).
         assert len(xids) == 1 and xids[0] is not None
+
+
+def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stage() takes the writer role with the record's stored bytes ready: no encoding runs in the batch."""
+    from store import log as log_module
+
+    store = open_store(store_url)
+    try:
+        in_batch = threading.Event()
+        calls: list[bool] = []
+        for name in ("encode_ids", "encode_mask", "encode_floats", "encode_body"):
+            original = getattr(log_module, name)
+
+            def counting(value: Any, _original: Any = original) -> Any:
+                calls.append(in_batch.is_set())
+                return _original(value)
+
+            monkeypatch.setattr(log_module, name, counting)
+        write_batch = store._log._write_batch
+
+        def flagged(batch: list[Any]) -> None:
+            in_batch.set()
+            try:
+                write_batch(batch)
+            finally:
+                in_batch.clear()
+
+        monkeypatch.setattr(store._log, "_write_batch", flagged)
+        record = make_record(rollout_id="encode-once")
+        assert store.stage(record).ok
+        assert calls == [False] * 4  # body and three columns, each once, all before the lock
+        assert store.fetch([record.staging_key])[0].digest == record.digest
+    finally:
+        store.close()
+
+
+def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new record: one lookup (fence, key, call, version), then the event, the calls row and the key."""
+    from store.log import WriteTransaction
+
+    executed: list[str] = []
+    original = WriteTransaction._execute
+
+    def counting(self: WriteTransaction, statement: Any, values: dict[str, Any]) -> Any:
+        executed.append(statement.sql.split()[0].upper())
+        return original(self, statement, values)
+
+    monkeypatch.setattr(WriteTransaction, "_execute", counting)
+    store = open_store(store_url)
+    try:
+        record = make_record(rollout_id="lean")
+        assert store.stage(record).ok
+        assert executed == ["SELECT", "INSERT", "INSERT", "INSERT"]
+        executed.clear()
+        assert store.stage(record).ok  # an identical re-stage: the lookup alone
+        assert executed == ["SELECT"]
+        assert store.call("lean", record.model_call_id) is not None
+    finally:
+        store.close()
