@@ -822,3 +822,24 @@ def test_ship_into_any_backend(copy: Path, store_url: str, capsys: Any) -> None:
     assert code == 0 and json.loads(out)["ok"]
     code, out, _ = run(capsys, "rollouts", store_url, "--json")
     assert [rollout["rollout_id"] for rollout in json.loads(out)["rollouts"]] == ["run1-r0", "run1-r1", "run1-r2"]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["audit", "--bogus", "x.db"], "staging-store audit --help"),
+        (["nosuch"], "staging-store --help"),
+        (["demo", "--rollouts", "0"], "staging-store demo --help"),
+        (["lineage"], "staging-store lineage --help"),
+    ],
+)
+def test_bad_usage_is_one_line_naming_the_help_and_exits_2(
+    args: list[str], named: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("STAGING_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert_one_line_error(err)
+    assert f"(see '{named}')" in err
+    assert list(tmp_path.iterdir()) == []  # nothing was created

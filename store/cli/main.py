@@ -92,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = result if isinstance(result, int) else exits.OK
     except click.exceptions.Exit as done:
         code = done.exit_code
+    except click.UsageError as exc:  # one line, like every other error, naming where help is
+        where = exc.ctx.command_path if exc.ctx is not None else "staging-store"
+        code = _fail(f"{exc.format_message().rstrip('.')} (see '{where} --help')", exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         code = exc.exit_code
