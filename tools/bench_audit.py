@@ -117,7 +117,7 @@ def raw_read_and_hash(path: str) -> int:
     return hashed
 
 
-_EVENT_COLUMNS = (
+EVENT_COLUMNS = (
     "seq",
     "rollout_id",
     "model_call_id",
@@ -141,9 +141,9 @@ def audit_floor(path: str) -> int:
     connection = sqlite3.connect(path)
     decode = msgspec.msgpack.decode
     try:
-        query = f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events ORDER BY seq"
+        query = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY seq"
         for row in connection.execute(query):
-            values = dict(zip(_EVENT_COLUMNS, row, strict=True))
+            values = dict(zip(EVENT_COLUMNS, row, strict=True))
             if event_checksum(values) != values["checksum"]:
                 raise AssertionError(f"event {values['seq']} failed its checksum")
             fields = decode(values["body"])

@@ -34,28 +34,13 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import Report, Target, fmt_seconds, parser, temp_dir
-from bench_audit import TOKENS, build_store
+from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 
 from store import Store, open_store
 from store.columns import event_checksum
 
 TARGET_RATIO = 2.0
-_COLUMNS = (
-    "seq",
-    "rollout_id",
-    "model_call_id",
-    "stream_version",
-    "kind",
-    "staging_key",
-    "writer_pid",
-    "recorded_at",
-    "body",
-    "token_ids",
-    "token_mask",
-    "log_probs",
-    "checksum",
-)
-_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM events ORDER BY seq"
+_SELECT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY seq"
 
 
 def raw_read(path: str) -> int:
@@ -77,7 +62,7 @@ def floor_read(path: str) -> int:
     decode = msgspec.msgpack.decode
     try:
         for row in connection.execute(_SELECT):
-            values = dict(zip(_COLUMNS, row, strict=True))
+            values = dict(zip(EVENT_COLUMNS, row, strict=True))
             if event_checksum(values) != values["checksum"]:
                 raise AssertionError(f"event {values['seq']} failed its checksum")
             decode(values["body"])
