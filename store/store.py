@@ -41,6 +41,7 @@ from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
 from store.shipping import identity
+from store.staging_rules import owned_key, stage_event
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
@@ -169,7 +170,7 @@ class Store:
         is a call's terminal record, its generated tokens produced by its weight version.
         """
         event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
-        return self._log.write(lambda tx: _stage(tx, event, record.digest))
+        return self._log.write(lambda tx: stage_event(tx, event, record.digest))
 
     @operation
     def stage_all(
@@ -192,7 +193,7 @@ class Store:
         def work(tx: WriteTransaction) -> list[StageResult]:
             results = []
             for event, entry in zip(events, entries, strict=True):
-                result = _stage(tx, event, entry.record.digest)
+                result = stage_event(tx, event, entry.record.digest)
                 if not result.ok:
                     raise StagingRefusedError(result.error or "refused")
                 results.append(result)
@@ -436,7 +437,7 @@ class Store:
             arguments.clearable_key(rollout_id, model_call_id, key)
 
         def work(tx: WriteTransaction) -> None:
-            live = [key for key in wanted if _owned(tx, key, rollout_id, model_call_id)]
+            live = [key for key in wanted if owned_key(tx, key, rollout_id, model_call_id)]
             if live:
                 body = KeysClearedBody(staging_keys=live, reason=reason)
                 tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, model_call_id, body))
@@ -521,37 +522,6 @@ class Store:
     def __repr__(self) -> str:
         schema = "" if self._schema is None else f", schema={self._schema!r}"
         return f"Store({self.url!r}, durability={self._durability!r}{schema})"
-
-
-def _stage(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
-    assert event.staging_key is not None
-    # One read: even an identical re-stage of a retired capture key is refused here.
-    lookup = tx.stage_lookup(event.rollout_id, event.model_call_id, event.staging_key)
-    existing = lookup.key
-    if existing is not None:
-        same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)
-        if same_call and existing.digest == digest:
-            return StageResult(ok=True, staging_key=event.staging_key)
-        return StageResult(
-            ok=False,
-            error=(
-                f"staging key {event.staging_key!r} already holds a different record "
-                f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
-            ),
-        )
-    tx.append(event, lookup)
-    return StageResult(ok=True, staging_key=event.staging_key)
-
-
-def _owned(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) -> bool:
-    """Whether ``key`` is live; a live key that holds another call's record is refused."""
-    state = tx.key(key)
-    if state is not None and (state.rollout_id, state.model_call_id) != (rollout_id, model_call_id):
-        raise InvalidRecordError(
-            f"{key!r} holds a record of {state.rollout_id}/{state.model_call_id}; "
-            f"{rollout_id}/{model_call_id} cannot withdraw it"
-        )
-    return state is not None
 
 
 def open_store(

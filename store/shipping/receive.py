@@ -1,7 +1,7 @@
 """The target side of a ship: one batch of source events in one write transaction.
 
-Each event goes through the checks staging runs in the write transaction (``_stage`` for
-records, ``_owned`` for withdrawn keys, the receipt lookup for cut receipts), then
+Each event goes through the checks staging runs in the write transaction (``stage_event`` for
+records, ``owned_key`` for withdrawn keys, the receipt lookup for cut receipts), then
 ``WriteTransaction.append``, which folds it into the projections as if staged here.  A
 check added to those paths (retention's fences) applies to shipped events too.  The
 resume point and the events' identities are written in the same transaction.
@@ -34,7 +34,7 @@ from store.retention.removal import RetentionStatements
 from store.retention.retain import RETENTION_REASON
 from store.shipping.identity import EventOrigin
 from store.shipping.source import SourceEvent
-from store.store import _owned, _stage
+from store.staging_rules import owned_key, stage_event
 
 
 class Refused(Exception):
@@ -198,13 +198,13 @@ def _apply(
         new = NewEvent(new.kind, new.rollout_id, new.model_call_id, body, recorded_at=new.recorded_at)
     if new.kind in RECORD_KINDS:
         assert item.digest is not None
-        result = _stage(tx, new, item.digest)
+        result = stage_event(tx, new, item.digest)
         if not result.ok:
             return result.error or "the target refused the record"
     elif new.kind is EventKind.KEYS_CLEARED:
         body = new.body
         assert isinstance(body, KeysClearedBody)
-        live = [key for key in body.staging_keys if _owned(tx, key, new.rollout_id, new.model_call_id)]
+        live = [key for key in body.staging_keys if owned_key(tx, key, new.rollout_id, new.model_call_id)]
         if live:
             cleared = KeysClearedBody(staging_keys=live, reason=body.reason)
             # Retention's own cleanup passes a fence at its origin (Store.retain): here too.

@@ -1,0 +1,43 @@
+"""The checks a staged event passes inside the write transaction.
+
+Shared by ``Store`` (staging, withdrawing keys) and log shipping (events arriving from another
+store), so both apply the same rules, fences included.
+"""
+
+from __future__ import annotations
+
+from store.errors import InvalidRecordError
+from store.log import NewEvent, WriteTransaction
+from store.records import StageResult
+
+
+def stage_event(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
+    """Stage a record event under its key, or say why not (an identical re-stage writes nothing)."""
+    assert event.staging_key is not None
+    # One read: even an identical re-stage of a retired capture key is refused here.
+    lookup = tx.stage_lookup(event.rollout_id, event.model_call_id, event.staging_key)
+    existing = lookup.key
+    if existing is not None:
+        same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)
+        if same_call and existing.digest == digest:
+            return StageResult(ok=True, staging_key=event.staging_key)
+        return StageResult(
+            ok=False,
+            error=(
+                f"staging key {event.staging_key!r} already holds a different record "
+                f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
+            ),
+        )
+    tx.append(event, lookup)
+    return StageResult(ok=True, staging_key=event.staging_key)
+
+
+def owned_key(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) -> bool:
+    """Whether ``key`` is live; a live key that holds another call's record is refused."""
+    state = tx.key(key)
+    if state is not None and (state.rollout_id, state.model_call_id) != (rollout_id, model_call_id):
+        raise InvalidRecordError(
+            f"{key!r} holds a record of {state.rollout_id}/{state.model_call_id}; "
+            f"{rollout_id}/{model_call_id} cannot withdraw it"
+        )
+    return state is not None
