@@ -94,23 +94,7 @@ def raw_read_and_hash(path: str) -> int:
             if ids is None:
                 continue
             fields = msgspec.msgpack.decode(body)
-            count = (len(ids) - 1) // 4
-            hasher = hashlib.sha256(STAGING_CALL_DOMAIN)
-            hasher.update(bytes((fields["schema_version"], STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)))
-            hasher.update(_text(fields["rollout_id"]) + _text(fields["model_call_id"]) + b"\x00")
-            hasher.update(_text(fields["mode"]))
-            hasher.update(_U64(fields["prev_len"]) + _U64(count) + _U64(fields["cum_len"]))
-            hasher.update(_U64(fields["weight_version"]) + _U64(8 + 8 * count) + _U64(count))
-            hasher.update(np.frombuffer(ids, dtype="<u4", offset=1).astype(">u8").data)
-            carry = int.from_bytes(mask[1:9], "big")
-            header = _U64(8 + 4 * count) + _U64(count)
-            hasher.update(header + b"\x00\x00\x00\x00" * carry + b"\x3f\x80\x00\x00" * (count - carry))
-            hasher.update(header)
-            hasher.update(memoryview(log_probs)[1:])
-            hasher.update(bytes.fromhex(fields["extras_digest"]))
-            hasher.update(b"\x01" + bytes.fromhex(fields["chain_hash"]))
-            hasher.update(b"\x01" + bytes.fromhex(fields["cumulative_hash"]))
-            hasher.digest()
+            _preimage_hash(fields, np.frombuffer(ids, dtype="<u4", offset=1).astype(">u8"), mask, log_probs)
             hashed += 1
     finally:
         connection.close()
