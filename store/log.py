@@ -23,7 +23,16 @@ from sqlalchemy.engine import Engine
 from store import failpoints, schema
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
-from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
+from store.engine import (
+    Backend,
+    DeferredStatementError,
+    Statement,
+    driver_errors,
+    lock_wait_ended,
+    raw_write_transaction,
+    storage_error,
+    sync_file,
+)
 from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
 from store.events import EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
@@ -90,6 +99,8 @@ class _Statements:
             sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns}).returning(events.c.seq),
             engine,
         )
+        # PostgreSQL: the seq was taken ahead (``take_seq``), so nothing is read back.
+        self.insert_event_at = Statement(sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c}), engine)
         self.stream_version = Statement(
             sa.select(sa.func.max(events.c.stream_version)).where(
                 events.c.rollout_id == sa.bindparam("rollout_id"),
@@ -220,6 +231,7 @@ class WriteTransaction:
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
         self._unfenced: set[str] = set()
         self.last_seq: int | None = None  # the sequence number of the last event appended
+        self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
@@ -277,6 +289,8 @@ class WriteTransaction:
     def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
         """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
         returns the staging key's row, the calls row and the stream's last version."""
+        if self._takes_seqs:
+            self._cursor.reserve_seq()  # its result comes back with this read
         row = self._execute(
             self._sql.stage_lookup,
             {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key},
@@ -329,8 +343,12 @@ class WriteTransaction:
             "log_probs": log_probs,
         }
         stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
-        row = self._execute(self._sql.insert_event, stored).fetchone()
-        seq = int(row[0])
+        if self._takes_seqs:
+            seq = int(self._cursor.take_seq())
+            stored["seq"] = seq
+            self._execute(self._sql.insert_event_at, stored)  # not waited for (pipeline)
+        else:
+            seq = int(self._execute(self._sql.insert_event, stored).fetchone()[0])
         self.appended += 1
         self.last_seq = seq
         event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
@@ -391,6 +409,13 @@ class WriteTransaction:
             row["b_rollout_id"] = event.rollout_id
             self._execute(self._sql.update_rollout, row)
         self._unfenced.discard(event.rollout_id)
+
+    def settle(self) -> None:
+        """Wait for every statement sent so far and raise the first failure (PostgreSQL sends
+        statements in a pipeline; SQLite has run them already)."""
+        settle = getattr(self._cursor, "settle", None)
+        if settle is not None:
+            settle()
 
     def savepoint(self, name: str) -> None:
         self._cursor.execute(f"SAVEPOINT {name}")
@@ -570,6 +595,10 @@ class EventLog:
                     if len(batch) == 1 or isolate:
                         return  # the failing caller's error is set; nothing was committed
                     isolate = True
+                except DeferredStatementError as exc:
+                    if isolate:
+                        raise exc.cause from None
+                    isolate = True  # a pipelined statement failed: find whose, each caller settled
         except BaseException as exc:
             if not isinstance(exc, StoreError):
                 self._discard_writer()  # the connection's state is unknown after a driver error
@@ -610,7 +639,11 @@ class EventLog:
         appended = transaction.appended
         try:
             pending.result = pending.work(transaction)
+            if savepoint is not None:
+                transaction.settle()  # its own statements' errors are its own
         except self._driver_errors as exc:
+            if lock_wait_ended(exc):
+                raise  # the write lock, not this caller: the whole batch fails
             pending.error = storage_error("writing to the store", exc)
             pending.error.__cause__ = exc
         except Exception as exc:  # reported to its own caller; the batch's other work stands
