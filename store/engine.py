@@ -585,8 +585,8 @@ class _PipelinedCursor:
     """The write transaction's cursor in pipeline mode.
 
     ``settle`` waits for every statement sent so far and raises the first one's error (a
-    caller's own statements).  ``reserve_seq`` sends the next event's ``nextval`` on a side
-    cursor; its result arrives with the next read anyway, so ``take_seq`` rarely waits.
+    caller's own statements).  ``reserve_seqs`` sends ``nextval`` for the next events on a
+    side cursor; its result arrives with the next read anyway, so ``take_seq`` rarely waits.
     """
 
     def __init__(self, cursor: Any, pipeline: Any, next_seq_sql: str | None) -> None:
@@ -595,8 +595,8 @@ class _PipelinedCursor:
         self.execute = cursor.execute
         self.executemany = cursor.executemany
         self._next_seq_sql = next_seq_sql
-        self._side: Any = None
-        self._reserved = False
+        self._seqs: list[int] = []  # taken, not yet used (ascending)
+        self._reserving: Any = None  # the side cursor whose nextval rows are on their way
 
     @property
     def takes_seqs(self) -> bool:
@@ -605,24 +605,35 @@ class _PipelinedCursor:
     def settle(self) -> None:
         self._pipeline.sync()
 
-    def reserve_seq(self) -> None:
-        """Send ``nextval`` now (at most one outstanding; an unused one serves the next event)."""
-        if self._reserved or self._next_seq_sql is None:
+    def side_cursor(self) -> Any:
+        """Another cursor of the transaction: its statement's rows stay apart from this one's."""
+        return self._cursor.connection.cursor()
+
+    def reserve_seqs(self, count: int) -> None:
+        """Send ``nextval`` for ``count`` events (fewer if some are already taken and unused)."""
+        wanted = count - len(self._seqs)
+        if self._reserving is not None or wanted <= 0 or self._next_seq_sql is None:
             return
-        if self._side is None:
-            self._side = self._cursor.connection.cursor()
-        self._side.execute(self._next_seq_sql)
-        self._reserved = True
+        self._reserving = self.side_cursor()
+        if wanted == 1:
+            self._reserving.execute(self._next_seq_sql)
+        else:
+            self._reserving.execute(f"{self._next_seq_sql} FROM generate_series(1, {int(wanted)})")
 
     def take_seq(self) -> int:
-        self.reserve_seq()
-        self._reserved = False
-        row = self._side.fetchone()
-        return int(row[0])
+        """The next event's seq (taken under the write lock, like the identity default)."""
+        if not self._seqs:
+            self.reserve_seqs(1)
+            reserving, self._reserving = self._reserving, None
+            try:
+                self._seqs = sorted(int(row[0]) for row in reserving.fetchall())
+            finally:
+                reserving.close()
+        return self._seqs.pop(0)
 
     def close(self) -> None:
-        if self._side is not None:
-            self._side.close()
+        if self._reserving is not None:
+            self._reserving.close()
 
 
 # psycopg.pq.TransactionStatus values (not imported: psycopg is an optional driver).

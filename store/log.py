@@ -232,13 +232,46 @@ class WriteTransaction:
         self._unfenced: set[str] = set()
         self.last_seq: int | None = None  # the sequence number of the last event appended
         self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
+        # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
+        self._ahead: dict[tuple[str, str, str], Any] = {}
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
+        self._ahead.clear()  # it may change what a read-ahead lookup saw
         return self._execute(statement, values)
 
     def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
+        self._ahead.clear()
         self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
+
+    def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
+        """PostgreSQL: send the stage lookups of ``streams`` ((rollout, call, key) each) and the
+        seqs of ``appends`` events at once, and read them in one round trip.  A lookup is used
+        by ``stage_lookup`` only while nothing written since could have changed it (no event of
+        its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
+        side_cursor = getattr(self._cursor, "side_cursor", None)
+        if side_cursor is None:
+            return
+        sent = []
+        for rollout_id, model_call_id, staging_key in dict.fromkeys(streams):
+            cursor = side_cursor()
+            values = {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key}
+            cursor.execute(self._sql.stage_lookup.sql, self._sql.stage_lookup.params(values))
+            sent.append(((rollout_id, model_call_id, staging_key), cursor))
+        if self._takes_seqs:
+            self._cursor.reserve_seqs(appends)
+        for stream, cursor in sent:
+            try:
+                self._ahead[stream] = cursor.fetchone()
+            finally:
+                cursor.close()
+
+    def _forget_ahead(self, rollout_id: str, keys: Any) -> None:
+        """Drop read-ahead lookups an append made stale (its rollout's, or naming its keys)."""
+        if self._ahead:
+            for stream in list(self._ahead):
+                if stream[0] == rollout_id or stream[2] in keys:
+                    del self._ahead[stream]
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -289,12 +322,14 @@ class WriteTransaction:
     def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
         """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
         returns the staging key's row, the calls row and the stream's last version."""
-        if self._takes_seqs:
-            self._cursor.reserve_seq()  # its result comes back with this read
-        row = self._execute(
-            self._sql.stage_lookup,
-            {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key},
-        ).fetchone()
+        row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
+        if row is None:
+            if self._takes_seqs:
+                self._cursor.reserve_seqs(1)  # its result comes back with this read
+            row = self._execute(
+                self._sql.stage_lookup,
+                {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key},
+            ).fetchone()
         if rollout_id not in self._unfenced:
             if row[0]:
                 raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
@@ -364,6 +399,7 @@ class WriteTransaction:
                 row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
                 self._execute(self._sql.update_call, row)
         added, removed = fold_keys(event)
+        self._forget_ahead(event.rollout_id, (*added, *removed))
         for key in removed:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():
@@ -424,6 +460,7 @@ class WriteTransaction:
         self._cursor.execute(f"RELEASE SAVEPOINT {name}")
 
     def rollback_to(self, name: str) -> None:
+        self._ahead.clear()
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
