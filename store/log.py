@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
@@ -177,6 +178,7 @@ class _Statements:
             engine,
         )
         self.stage_lookup = _stage_lookup(engine)
+        self.stage_lookups = _stage_lookups(engine) if engine.dialect.name == "postgresql" else None
         workers = schema.workers
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
@@ -211,6 +213,44 @@ def _stage_lookup(engine: Engine) -> Statement:
     return Statement(sa.select(*picked).select_from(joined), engine)
 
 
+def _stage_lookups(engine: Engine) -> Statement:
+    """PostgreSQL: ``_stage_lookup`` for many streams at once (arrays of rollouts, calls and
+    keys, unnested; one row per stream, in the order given)."""
+    events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
+    texts = postgresql.ARRAY(sa.String)
+    wanted = (
+        sa.func.unnest(
+            sa.bindparam("rollout_ids", type_=texts),
+            sa.bindparam("model_call_ids", type_=texts),
+            sa.bindparam("staging_keys", type_=texts),
+        )
+        .table_valued("rollout_id", "model_call_id", "staging_key", with_ordinality="n")
+        .render_derived(name="wanted")
+    )
+    last_version = (
+        sa.select(sa.func.max(events.c.stream_version))
+        .where(events.c.rollout_id == wanted.c.rollout_id, events.c.model_call_id == wanted.c.model_call_id)
+        .scalar_subquery()
+    )
+    joined = (
+        wanted.outerjoin(rollouts, rollouts.c.rollout_id == wanted.c.rollout_id)
+        .outerjoin(keys, keys.c.staging_key == wanted.c.staging_key)
+        .outerjoin(
+            calls,
+            sa.and_(calls.c.rollout_id == wanted.c.rollout_id, calls.c.model_call_id == wanted.c.model_call_id),
+        )
+    )
+    picked: list[sa.ColumnElement[Any]] = [
+        rollouts.c.fenced,
+        rollouts.c.fence_seq,
+        keys.c.event_seq,
+        keys.c.rollout_id,
+        keys.c.model_call_id,
+    ]
+    picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
+    return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
+
+
 @dataclass(frozen=True)
 class StageLookup:
     """What one stage found in the transaction (``WriteTransaction.stage_lookup``)."""
@@ -234,44 +274,62 @@ class WriteTransaction:
         self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
         # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
         self._ahead: dict[tuple[str, str, str], Any] = {}
+        self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = {}
+        self._ahead_by_key: dict[str, tuple[str, str, str]] = {}
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
-        self._ahead.clear()  # it may change what a read-ahead lookup saw
+        self._forget_all_ahead()  # it may change what a read-ahead lookup saw
         return self._execute(statement, values)
 
     def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
-        self._ahead.clear()
+        self._forget_all_ahead()
         self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
 
     def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
-        """PostgreSQL: send the stage lookups of ``streams`` ((rollout, call, key) each) and the
-        seqs of ``appends`` events at once, and read them in one round trip.  A lookup is used
-        by ``stage_lookup`` only while nothing written since could have changed it (no event of
-        its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
+        """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each) with one
+        statement, and take the seqs of ``appends`` events, in one round trip.  A lookup is
+        used by ``stage_lookup`` only while nothing written since could have changed it (no
+        event of its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
+        statement = self._sql.stage_lookups
         side_cursor = getattr(self._cursor, "side_cursor", None)
-        if side_cursor is None:
+        if statement is None or side_cursor is None:
             return
-        sent = []
-        for rollout_id, model_call_id, staging_key in dict.fromkeys(streams):
-            cursor = side_cursor()
-            values = {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key}
-            cursor.execute(self._sql.stage_lookup.sql, self._sql.stage_lookup.params(values))
-            sent.append(((rollout_id, model_call_id, staging_key), cursor))
         if self._takes_seqs:
             self._cursor.reserve_seqs(appends)
-        for stream, cursor in sent:
-            try:
-                self._ahead[stream] = cursor.fetchone()
-            finally:
-                cursor.close()
+        wanted = list(dict.fromkeys(streams))
+        if not wanted:
+            return
+        values = {
+            "rollout_ids": [stream[0] for stream in wanted],
+            "model_call_ids": [stream[1] for stream in wanted],
+            "staging_keys": [stream[2] for stream in wanted],
+        }
+        cursor = side_cursor()
+        try:
+            rows = cursor.execute(statement.sql, statement.params(values)).fetchall()
+        finally:
+            cursor.close()
+        for stream, row in zip(wanted, rows, strict=True):
+            self._ahead[stream] = row
+            self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
+            self._ahead_by_key[stream[2]] = stream
 
     def _forget_ahead(self, rollout_id: str, keys: Any) -> None:
         """Drop read-ahead lookups an append made stale (its rollout's, or naming its keys)."""
-        if self._ahead:
-            for stream in list(self._ahead):
-                if stream[0] == rollout_id or stream[2] in keys:
-                    del self._ahead[stream]
+        if not self._ahead:
+            return
+        for stream in self._ahead_by_rollout.pop(rollout_id, ()):
+            self._ahead.pop(stream, None)
+        for key in keys:
+            named = self._ahead_by_key.pop(key, None)
+            if named is not None:
+                self._ahead.pop(named, None)
+
+    def _forget_all_ahead(self) -> None:
+        self._ahead.clear()
+        self._ahead_by_rollout.clear()
+        self._ahead_by_key.clear()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -460,7 +518,7 @@ class WriteTransaction:
         self._cursor.execute(f"RELEASE SAVEPOINT {name}")
 
     def rollback_to(self, name: str) -> None:
-        self._ahead.clear()
+        self._forget_all_ahead()
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
