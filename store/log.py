@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -527,11 +527,14 @@ class _FailedCaller(Exception):
 
 
 class _Pending(Generic[T]):
-    __slots__ = ("done", "durable", "error", "result", "work")
+    __slots__ = ("ahead", "done", "durable", "error", "result", "work")
 
-    def __init__(self, work: Callable[[WriteTransaction], T], durable: bool) -> None:
+    def __init__(
+        self, work: Callable[[WriteTransaction], T], durable: bool, ahead: Sequence[tuple[str, str, str]] = ()
+    ) -> None:
         self.work = work
         self.durable = durable
+        self.ahead = ahead
         self.done = False
         self.result: T | None = None
         self.error: BaseException | None = None
@@ -586,16 +589,24 @@ class EventLog:
         self._fairy: Any = None  # the pool's wrapper of _connection, kept to return it
         self._commit_mode: bool | None = None  # the writer connection's current durability
 
-    def write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
+    def write(
+        self,
+        work: Callable[[WriteTransaction], T],
+        *,
+        durable: bool = True,
+        ahead: Sequence[tuple[str, str, str]] = (),
+    ) -> T:
         """Run ``work`` in a write transaction and return its result once committed.
 
         ``durable=False`` is for bookkeeping events that hold no staged tokens: their commit
-        does not wait for the disk unless a durable write shares the batch.  Raises
+        does not wait for the disk unless a durable write shares the batch.  ``ahead``: the
+        (rollout, call, key) of each record ``work`` stages, read ahead for the whole batch
+        in one round trip on PostgreSQL (``WriteTransaction.read_ahead``).  Raises
         ``StoreClosedError`` if the log is closed before the write began.
         """
         if self._read_only:
             raise ReadOnlyStoreError("this store was opened read-only; nothing was written")
-        pending: _Pending[T] = _Pending(work, durable)
+        pending: _Pending[T] = _Pending(work, durable, ahead)
         try:
             self._take_turn(pending)
             if self._leader is pending:
@@ -715,6 +726,9 @@ class EventLog:
         self._commit_mode = durable
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
             transaction = WriteTransaction(cursor, self._statements)
+            if len(batch) > 1:  # a lone stage reads its lookup in the round trip of its BEGIN
+                streams = [stream for pending in batch for stream in pending.ahead]
+                transaction.read_ahead(streams, len(streams))
             for index, pending in enumerate(batch):
                 if index:
                     failpoints.hit("mid_batch")
