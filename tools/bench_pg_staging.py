@@ -28,10 +28,10 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,116 +106,170 @@ def drop_schema(url: str, name: str) -> None:
         connection.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
-def run_raw(url: str, name: str, rows: list[EventRow], batch: int) -> float:
-    create_raw_table(url, name)
-    insert = f'INSERT INTO "{name}".events ({", ".join(_COLUMNS)}) VALUES ({", ".join(["%s"] * len(_COLUMNS))})'
-    with psycopg.connect(conninfo(url)) as connection:
-        connection.execute("SET synchronous_commit = on")
-        connection.commit()
-        with connection.cursor() as cursor:
+class RawSide:
+    """Raw psycopg on one connection, inserting into a fresh table of the events' shape."""
+
+    def __init__(self, url: str, name: str, batch: int) -> None:
+        create_raw_table(url, name)
+        self.name, self.batch, self.rows = name, batch, 0
+        self.insert = (
+            f'INSERT INTO "{name}".events ({", ".join(_COLUMNS)}) VALUES ({", ".join(["%s"] * len(_COLUMNS))})'
+        )
+        self.connection = psycopg.connect(conninfo(url))
+        self.connection.execute("SET synchronous_commit = on")
+        self.connection.commit()
+        self.cursor = self.connection.cursor()
+
+    def run(self, rows: list[EventRow]) -> float:
+        start = time.perf_counter()
+        for offset in range(0, len(rows), self.batch):
+            if self.batch == 1:
+                self.cursor.execute(self.insert, rows[offset])
+            else:
+                self.cursor.executemany(self.insert, rows[offset : offset + self.batch])
+            self.connection.commit()
+        elapsed = time.perf_counter() - start
+        self.rows += len(rows)
+        return elapsed
+
+    def close(self) -> None:
+        stored = self.cursor.execute(f'SELECT count(*) FROM "{self.name}".events').fetchone()
+        self.connection.close()
+        if stored is None or stored[0] != self.rows:
+            raise AssertionError(f"raw: {stored} rows stored, {self.rows} expected")
+
+
+class StoreSide:
+    """``Store.stage`` from ``threads`` threads into a fresh schema of a store."""
+
+    def __init__(self, url: str, name: str, threads: int) -> None:
+        open_store(url, schema=name).close()  # create and migrate the schema before the clock starts
+        self.store = open_store(url, schema=name, durability="full")
+        self.store.staged_keys("warm-up")  # the reader's connection, as a running store has it
+        self.threads, self.staged = threads, 0
+        self.batches = _count_batches(self.store)
+        self.failures: list[str] = []
+
+    def _stage(self, part: list[StagedCallRecord]) -> None:
+        for record in part:
+            result = self.store.stage(record)
+            if not result.ok:
+                self.failures.append(result.error or "?")
+
+    def run(self, records: list[StagedCallRecord]) -> float:
+        self.staged += len(records)
+        if self.threads == 1:
             start = time.perf_counter()
-            for offset in range(0, len(rows), batch):
-                if batch == 1:
-                    cursor.execute(insert, rows[offset])
-                else:
-                    cursor.executemany(insert, rows[offset : offset + batch])
-                connection.commit()
-            elapsed = time.perf_counter() - start
-            stored = cursor.execute(f'SELECT count(*) FROM "{name}".events').fetchone()
-        connection.rollback()
-    if stored is None or stored[0] != len(rows):
-        raise AssertionError(f"raw: {stored} rows stored, {len(rows)} expected")
-    return elapsed
+            self._stage(records)
+            return time.perf_counter() - start
+        barrier = threading.Barrier(self.threads + 1)
 
-
-def run_store(url: str, name: str, records: list[StagedCallRecord], threads: int) -> tuple[float, list[int]]:
-    open_store(url, schema=name).close()  # create and migrate the schema before the clock starts
-    store = open_store(url, schema=name, durability="full")
-    failures: list[str] = []
-    try:
-        batches = _count_batches(store)
-        store.staged_keys("warm-up")  # the reader's connection, as a running store has it
-        if threads == 1:
-            start = time.perf_counter()
-            for record in records:
-                result = store.stage(record)
-                if not result.ok:
-                    failures.append(result.error or "?")
-            elapsed = time.perf_counter() - start
-        else:
-            barrier = threading.Barrier(threads + 1)
-
-            def worker(part: list[StagedCallRecord]) -> None:
-                barrier.wait()
-                for record in part:
-                    result = store.stage(record)
-                    if not result.ok:
-                        failures.append(result.error or "?")
-
-            workers = [threading.Thread(target=worker, args=(records[i::threads],)) for i in range(threads)]
-            for thread in workers:
-                thread.start()
+        def worker(part: list[StagedCallRecord]) -> None:
             barrier.wait()
+            self._stage(part)
+
+        workers = [threading.Thread(target=worker, args=(records[i :: self.threads],)) for i in range(self.threads)]
+        for thread in workers:
+            thread.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for thread in workers:
+            thread.join()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        try:
+            staged = len(self.store.staged_keys())
+        finally:
+            self.store.close()
+        if self.failures:
+            raise AssertionError(f"store: {len(self.failures)} records refused, e.g. {self.failures[0]}")
+        if staged != self.staged:
+            raise AssertionError(f"store: {staged} keys staged, {self.staged} expected")
+
+
+def schema_name(variant: str, index: int) -> str:
+    return f"bench_pg_{variant.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}"
+
+
+def fsync_seconds(samples: int = 8) -> float:
+    """Median time of one 4 KiB write + fdatasync in the temp folder (the disk PostgreSQL's WAL is on here)."""
+    times = []
+    fd, path = tempfile.mkstemp(prefix="pg-bench-fsync-")
+    try:
+        for index in range(samples):
+            os.pwrite(fd, b"x" * 4096, index * 4096)
             start = time.perf_counter()
-            for thread in workers:
-                thread.join()
-            elapsed = time.perf_counter() - start
-        staged = len(store.staged_keys())
+            os.fdatasync(fd)
+            times.append(time.perf_counter() - start)
     finally:
-        store.close()
-    if failures:
-        raise AssertionError(f"store: {len(failures)} records refused, e.g. {failures[0]}")
-    if staged != len(records):
-        raise AssertionError(f"store: {staged} keys staged, {len(records)} expected")
-    return elapsed, batches
+        os.close(fd)
+        os.remove(path)
+    return statistics.median(times)
 
 
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 9; 3 with --quick)")
-    p.add_argument("--block", type=int, default=None, help="transactions per block (default 48; 8 with --quick)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds, each in fresh schemas (default 9; 3 with --quick)")
+    p.add_argument("--block", type=int, default=None, help="transactions per block (default 8; 4 with --quick)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks per variant per round (default 4; 2 with --quick)")
     args = p.parse_args()
     url = os.environ.get("STORE_BENCH_POSTGRES_URL") or os.environ.get("STORE_TEST_POSTGRES_URL")
     if not url:
         print("set STORE_BENCH_POSTGRES_URL (or STORE_TEST_POSTGRES_URL) to a PostgreSQL database", file=sys.stderr)
         return 2
     rounds = args.rounds or (3 if args.quick else 9)
-    block = args.block or (8 if args.quick else 48)
+    block = args.block or (4 if args.quick else 8)
+    blocks = args.blocks or (2 if args.quick else 4)
 
-    records = build_records(block * THREADS, args.seed)
+    records = build_records(block * blocks * THREADS, args.seed)
     rows = [event_row(record) for record in records]
-    one_records, one_rows = records[:block], rows[:block]
     bytes_per_record = statistics.fmean(sum(len(value) for value in row if isinstance(value, bytes)) for row in rows)
 
     raw1, raw_many, store1, store_many = "raw 1/txn", f"raw {THREADS}/txn", "store x1", f"store x{THREADS}"
-    batches: list[int] = []
-
-    def store_block(name: str, part: list[StagedCallRecord], threads: int) -> float:
-        seconds, sizes = run_store(url, name, part, threads)
-        if threads > 1:
-            batches.extend(sizes)
-        return seconds
-
-    variants: dict[str, Callable[[str], float]] = {
-        store1: lambda name: store_block(name, one_records, 1),
-        raw1: lambda name: run_raw(url, name, one_rows, 1),
-        store_many: lambda name: store_block(name, records, THREADS),
-        raw_many: lambda name: run_raw(url, name, rows, THREADS),
-    }
-    counts = {store1: block, raw1: block, store_many: block * THREADS, raw_many: block * THREADS}
+    threads = {store1: 1, store_many: THREADS}
+    batch_of = {raw1: 1, raw_many: THREADS}
+    per_block = {store1: block, raw1: block, store_many: block * THREADS, raw_many: block * THREADS}
     groups = [(store1, raw1), (store_many, raw_many)]
-    elapsed: dict[str, list[float]] = {name: [] for name in variants}
+    elapsed: dict[str, list[float]] = {name: [] for name in per_block}
+    batches: list[int] = []
+    fsyncs: list[float] = []
     for index in range(rounds + 1):  # round 0 warms the server and the caches; not counted
         for group in groups:
-            order = group if index % 2 == 0 else tuple(reversed(group))
-            for name in order:
-                schema_name = f"bench_pg_{name.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}"
-                try:
-                    seconds = variants[name](schema_name)
-                finally:
-                    drop_schema(url, schema_name)
-                if index:
-                    elapsed[name].append(seconds)
+            fsyncs.append(fsync_seconds())
+            names = {
+                name: f"bench_pg_{name.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}" for name in group
+            }
+            sides: dict[str, StoreSide | RawSide] = {}
+            spent = dict.fromkeys(group, 0.0)
+            try:
+                for name in group:
+                    if name in threads:
+                        sides[name] = StoreSide(url, names[name], threads[name])
+                    else:
+                        sides[name] = RawSide(url, names[name], batch_of[name])
+                for turn in range(blocks):
+                    # A B B A ...: each variant meets the disk's moods as often as the other.
+                    order = group if (turn + index) % 2 == 0 else tuple(reversed(group))
+                    for name in order:
+                        span = slice(turn * per_block[name], (turn + 1) * per_block[name])
+                        side = sides[name]
+                        if isinstance(side, StoreSide):
+                            spent[name] += side.run(records[span])
+                        else:
+                            spent[name] += side.run(rows[span])
+                for side in sides.values():
+                    if isinstance(side, StoreSide) and side.threads > 1 and index:
+                        batches.extend(side.batches)
+            finally:
+                for side in sides.values():
+                    side.close()
+                for name in group:
+                    drop_schema(url, names[name])
+            if index:
+                for name in group:
+                    elapsed[name].append(spent[name])
+    counts = {name: per_block[name] * blocks for name in per_block}
 
     def ratios(name: str, base: str) -> list[float]:
         return [b / s for s, b in zip(elapsed[name], elapsed[base], strict=True)]
@@ -225,17 +279,18 @@ def main() -> int:
         params={
             "rounds": rounds,
             "transactions_per_block": block,
+            "blocks_per_variant_per_round": blocks,
             "tokens_per_record": TOKENS,
             "stored_bytes_per_record": round(bytes_per_record),
             "durability": "full (synchronous_commit = on)",
         },
     )
     report.table(
-        f"Records/s per variant (median over {rounds} rounds of {block}-transaction blocks)",
+        f"Records/s per variant (median over {rounds} rounds of {blocks} alternating {block}-transaction blocks)",
         ["variant", "rec/s median", "rec/s min", "rec/s max"],
         [
             [name, *(f"{counts[name] / pick(elapsed[name]):,.0f}" for pick in (statistics.median, max, min))]
-            for name in variants
+            for name in per_block
         ],
     )
     table = []
@@ -258,6 +313,12 @@ def main() -> int:
             ]
         )
     report.table("Per-round ratios (store over raw, same round)", ["pair", "median", "min", "max", "rounds"], table)
+    ms = sorted(value * 1000 for value in fsyncs)
+    report.results["fsync_ms"] = {"median": statistics.median(ms), "min": ms[0], "max": ms[-1]}
+    report.notes.append(
+        f"fdatasync of 4 KiB on the WAL's disk, sampled before every round of a pair: median "
+        f"{statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms"
+    )
     if batches:
         common = Counter(batches).most_common(3)
         report.notes.append(
