@@ -367,3 +367,26 @@ def test_a_batch_reads_its_checks_ahead_and_never_uses_one_a_write_before_it_mad
             [first.staging_key, make_record(rollout_id="r3", model_call_id="c0").staging_key]
         )
         assert target.audit().ok
+
+
+@needs_postgres
+def test_a_schema_named_in_the_url_is_the_same_store_as_the_schema_argument(pg_url: str) -> None:
+    """``?schema=NAME`` lets a command line or a config string name a schema."""
+    with open_store(pg_url, schema="fleet") as by_argument:
+        assert by_argument.stage(make_record()).ok
+        url = by_argument.url
+    assert url.endswith("?schema=fleet")
+    with open_store(f"{pg_url}?schema=fleet") as by_url, open_store(url, schema="fleet", read_only=True) as both:
+        assert by_url.store_id == both.store_id
+        assert [call.rollout_id for call in by_url.calls()] == ["rollout-1"]
+    with open_store(pg_url) as public:
+        assert public.calls() == []
+    with pytest.raises(ConfigurationError, match="schema='fleet' but schema='other'"):
+        open_store(f"{pg_url}?schema=fleet", schema="other")
+    with pytest.raises(ConfigurationError, match="name it once"):
+        open_store(f"{pg_url}?schema=a&schema=b")
+
+
+def test_a_schema_in_a_sqlite_url_is_refused(tmp_path: Any) -> None:
+    with pytest.raises(ConfigurationError, match="PostgreSQL feature"):
+        open_store(f"sqlite:///{tmp_path / 'store.db'}?schema=fleet")
