@@ -1,14 +1,18 @@
 """Benchmark: durable staging on PostgreSQL against raw psycopg inserting the same stored bytes.
 
-Each round runs short alternating blocks, every block in a fresh schema (created before the
-clock starts, dropped after), the order flipped every round; ratios are taken per round and
-reported as median, min and max.
+Each round opens every variant in a fresh schema (created before the clock starts, dropped
+after) and runs short blocks alternating A B B A ..., so the disk's fsync moods hit each
+variant alike; ratios are taken per round and reported as median, min and max, with the
+fdatasync time sampled before each round.
 
 Pairs (each ratio = store records/s over raw records/s in the same round):
 
 * ``store x1``  vs ``raw 1/txn``  -- one thread calls ``Store.stage``; raw: one INSERT, then COMMIT;
 * ``store x16`` vs ``raw 16/txn`` -- 16 threads stage concurrently (group commit); raw: one
-  ``executemany`` of 16 rows (psycopg sends it as one pipeline), then COMMIT.
+  ``executemany`` of 16 rows (psycopg sends it as one pipeline), then COMMIT;
+* ``floor x1``  vs ``raw 1/txn``  -- for scale: the store's own statements for each stage
+  (advisory lock, nextval, its lookup, the event, calls and key inserts) through raw psycopg
+  in one pipeline per transaction, parameters built before the clock: what this schema allows.
 
 The raw side inserts, for every record, the very row the store keeps in its ``events`` table
 (msgpack body, packed ids, mask and log-probs, xxh3 checksum, encoded before the clock starts)
@@ -45,6 +49,10 @@ from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_ro
 
 from store import StagedCallRecord, open_store, schema
 from store.columns import event_checksum
+from store.engine import postgresql_backend
+from store.events import EventKind, record_body
+from store.log import _Statements
+from store.projections import Event, fold_call, generated_spans
 
 TARGET_1 = 0.7
 TARGET_MANY = 0.5
@@ -188,6 +196,68 @@ class StoreSide:
             raise AssertionError(f"store: {staged} keys staged, {self.staged} expected")
 
 
+FloorParams = tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]
+
+
+def floor_params(record: StagedCallRecord, row: EventRow) -> FloorParams:
+    """The parameters of the store's statements for one stage (lookup, event, calls, key), seq left to fill."""
+    event = dict(zip(_COLUMNS, row, strict=True))
+    body = record_body(record, generated_spans(record.columns.token_mask, record.weight_version))
+    folded = Event(0, EventKind.CALL_COMPLETED, record.rollout_id, record.model_call_id, 1, record.staging_key, body)
+    call = fold_call(None, folded).to_row()
+    lookup = {"rollout_id": record.rollout_id, "model_call_id": record.model_call_id, "staging_key": record.staging_key}
+    key = {
+        "staging_key": record.staging_key,
+        "rollout_id": record.rollout_id,
+        "model_call_id": record.model_call_id,
+        "digest": record.digest,
+    }
+    return lookup, event, call, key
+
+
+class FloorSide:
+    """For scale: the store's own statements for each stage through raw psycopg in one
+    pipeline per transaction (BEGIN, advisory lock, nextval, lookup -- one wait -- then the
+    event, calls and key inserts and COMMIT -- one wait), parameters built before the clock."""
+
+    def __init__(self, url: str, name: str) -> None:
+        open_store(url, schema=name).close()  # the store's schema, migrated
+        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+        self.sql = _Statements(engine)
+        engine.dispose()
+        backend = postgresql_backend(name)
+        self.lock = backend.begin_write_sql
+        self.next_seq = backend.next_seq_sql or ""
+        self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")
+        self.connection.execute("SET synchronous_commit = on")
+        self.name, self.rows = name, 0
+
+    def run(self, stages: list[FloorParams]) -> float:
+        sql, connection = self.sql, self.connection
+        start = time.perf_counter()
+        for lookup, event, call, key in stages:
+            cursor, side = connection.cursor(), connection.cursor()
+            with connection.pipeline():
+                cursor.execute("BEGIN")
+                cursor.execute(self.lock)
+                side.execute(self.next_seq)
+                cursor.execute(sql.stage_lookup.sql, sql.stage_lookup.params(lookup)).fetchone()
+                seq = side.fetchone()[0]  # type: ignore[index]
+                cursor.execute(sql.insert_event_at.sql, sql.insert_event_at.params({**event, "seq": seq}))
+                cursor.execute(sql.insert_call.sql, sql.insert_call.params({**call, "last_seq": seq}))
+                cursor.execute(sql.insert_key.sql, sql.insert_key.params({**key, "event_seq": seq}))
+                cursor.execute("COMMIT")
+        elapsed = time.perf_counter() - start
+        self.rows += len(stages)
+        return elapsed
+
+    def close(self) -> None:
+        stored = self.connection.execute("SELECT count(*) FROM staged_keys").fetchone()
+        self.connection.close()
+        if stored is None or stored[0] != self.rows:
+            raise AssertionError(f"floor: {stored} keys stored, {self.rows} expected")
+
+
 def schema_name(variant: str, index: int) -> str:
     return f"bench_pg_{variant.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}"
 
@@ -226,26 +296,29 @@ def main() -> int:
     rows = [event_row(record) for record in records]
     bytes_per_record = statistics.fmean(sum(len(value) for value in row if isinstance(value, bytes)) for row in rows)
 
+    floor_stages = [floor_params(record, row) for record, row in zip(records, rows, strict=True)]
+
     raw1, raw_many, store1, store_many = "raw 1/txn", f"raw {THREADS}/txn", "store x1", f"store x{THREADS}"
+    floor1 = "floor x1"
     threads = {store1: 1, store_many: THREADS}
     batch_of = {raw1: 1, raw_many: THREADS}
-    per_block = {store1: block, raw1: block, store_many: block * THREADS, raw_many: block * THREADS}
-    groups = [(store1, raw1), (store_many, raw_many)]
+    per_block = {store1: block, raw1: block, floor1: block, store_many: block * THREADS, raw_many: block * THREADS}
+    groups: list[tuple[str, ...]] = [(store1, raw1, floor1), (store_many, raw_many)]
     elapsed: dict[str, list[float]] = {name: [] for name in per_block}
     batches: list[int] = []
     fsyncs: list[float] = []
     for index in range(rounds + 1):  # round 0 warms the server and the caches; not counted
         for group in groups:
             fsyncs.append(fsync_seconds())
-            names = {
-                name: f"bench_pg_{name.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}" for name in group
-            }
-            sides: dict[str, StoreSide | RawSide] = {}
+            names = {name: schema_name(name, index) for name in group}
+            sides: dict[str, StoreSide | RawSide | FloorSide] = {}
             spent = dict.fromkeys(group, 0.0)
             try:
                 for name in group:
                     if name in threads:
                         sides[name] = StoreSide(url, names[name], threads[name])
+                    elif name == floor1:
+                        sides[name] = FloorSide(url, names[name])
                     else:
                         sides[name] = RawSide(url, names[name], batch_of[name])
                 for turn in range(blocks):
@@ -256,6 +329,8 @@ def main() -> int:
                         side = sides[name]
                         if isinstance(side, StoreSide):
                             spent[name] += side.run(records[span])
+                        elif isinstance(side, FloorSide):
+                            spent[name] += side.run(floor_stages[span])
                         else:
                             spent[name] += side.run(rows[span])
                 for side in sides.values():
@@ -294,7 +369,7 @@ def main() -> int:
         ],
     )
     table = []
-    for name, base in ((store1, raw1), (store_many, raw_many)):
+    for name, base in ((store1, raw1), (store_many, raw_many), (floor1, raw1), (store1, floor1)):
         per_round = ratios(name, base)
         key = f"{name} / {base}"
         report.results[key] = {
@@ -316,7 +391,7 @@ def main() -> int:
     ms = sorted(value * 1000 for value in fsyncs)
     report.results["fsync_ms"] = {"median": statistics.median(ms), "min": ms[0], "max": ms[-1]}
     report.notes.append(
-        f"fdatasync of 4 KiB on the WAL's disk, sampled before every round of a pair: median "
+        f"fdatasync of 4 KiB on the WAL's disk, sampled before each group of a round: median "
         f"{statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms"
     )
     if batches:
@@ -327,6 +402,10 @@ def main() -> int:
         )
     one = statistics.median(ratios(store1, raw1))
     many = statistics.median(ratios(store_many, raw_many))
+    report.notes.append(
+        f"{floor1} = the store's own statements per stage through raw psycopg, one pipeline per transaction, "
+        "no store code (for scale, no target)"
+    )
     report.targets.append(Target("pg_staging_1_stager_vs_raw_1_per_txn", one, ">=", TARGET_1))
     report.targets.append(Target(f"pg_staging_{THREADS}_stagers_vs_raw_{THREADS}_per_txn", many, ">=", TARGET_MANY))
     report.emit(args.json)
