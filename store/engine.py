@@ -633,6 +633,14 @@ class _PipelinedCursor:
         else:
             self._reserving.execute(f"{self._next_seq_sql} FROM generate_series(1, {int(wanted)})")
 
+    def needs_seq(self) -> bool:
+        """No seq taken and unused, none on its way: the next event's can come with a read."""
+        return not self._seqs and self._reserving is None
+
+    def give_seq(self, seq: int) -> None:
+        """A seq a read took (``nextval`` in the stage lookup, under the write lock)."""
+        self._seqs.append(seq)
+
     def take_seq(self) -> int:
         """The next event's seq (taken under the write lock, like the identity default)."""
         if not self._seqs:

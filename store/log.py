@@ -178,16 +178,19 @@ class _Statements:
             engine,
         )
         self.stage_lookup = _stage_lookup(engine)
-        self.stage_lookups = _stage_lookups(engine) if engine.dialect.name == "postgresql" else None
+        postgres = engine.dialect.name == "postgresql"
+        self.stage_lookups = _stage_lookups(engine) if postgres else None
+        self.stage_lookup_seq = _stage_lookup(engine, next_seq=True) if postgres else None
         workers = schema.workers
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
 
 
-def _stage_lookup(engine: Engine) -> Statement:
+def _stage_lookup(engine: Engine, *, next_seq: bool = False) -> Statement:
     """Everything a stage reads, in one statement: the capture key's fence, the staging key,
-    the calls row and the stream's last version (one row always: primary-key left joins)."""
+    the calls row and the stream's last version (one row always: primary-key left joins).
+    ``next_seq`` (PostgreSQL): and, last, the next event seq, taken under the write lock."""
     events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
     rollout_id: sa.BindParameter[str] = sa.bindparam("rollout_id")
     model_call_id: sa.BindParameter[str] = sa.bindparam("model_call_id")
@@ -210,6 +213,8 @@ def _stage_lookup(engine: Engine) -> Statement:
         keys.c.model_call_id,
     ]
     picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
+    if next_seq:
+        picked.append(sa.literal_column("nextval(pg_get_serial_sequence('events', 'seq'))").label("next_seq"))
     return Statement(sa.select(*picked).select_from(joined), engine)
 
 
@@ -382,12 +387,16 @@ class WriteTransaction:
         returns the staging key's row, the calls row and the stream's last version."""
         row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
         if row is None:
-            if self._takes_seqs:
-                self._cursor.reserve_seqs(1)  # its result comes back with this read
+            # PostgreSQL: the event's seq comes with this read (one statement fewer).
+            take_seq = self._takes_seqs and self._sql.stage_lookup_seq is not None and self._cursor.needs_seq()
+            statement = self._sql.stage_lookup_seq if take_seq else self._sql.stage_lookup
+            assert statement is not None
             row = self._execute(
-                self._sql.stage_lookup,
-                {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key},
+                statement, {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key}
             ).fetchone()
+            if take_seq:
+                self._cursor.give_seq(int(row[-1]))
+                row = row[:-1]
         if rollout_id not in self._unfenced:
             if row[0]:
                 raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
