@@ -11,7 +11,7 @@ Pairs (each ratio = store records/s over raw records/s in the same round):
 * ``store x16`` vs ``raw 16/txn`` -- 16 threads stage concurrently (group commit); raw: one
   ``executemany`` of 16 rows (psycopg sends it as one pipeline), then COMMIT;
 * ``floor x1``  vs ``raw 1/txn``  -- for scale: the store's own statements for each stage
-  (advisory lock, nextval, its lookup, the event, calls and key inserts) through raw psycopg
+  (advisory lock, its lookup with the event's nextval, the event, calls and key inserts) through raw psycopg
   in one pipeline per transaction, parameters built before the clock: what this schema allows.
 
 The raw side inserts, for every record, the very row the store keeps in its ``events`` table
@@ -217,17 +217,18 @@ def floor_params(record: StagedCallRecord, row: EventRow) -> FloorParams:
 
 class FloorSide:
     """For scale: the store's own statements for each stage through raw psycopg in one
-    pipeline per transaction (BEGIN, advisory lock, nextval, lookup -- one wait -- then the
-    event, calls and key inserts and COMMIT -- one wait), parameters built before the clock."""
+    pipeline per transaction (BEGIN, advisory lock, the lookup with the event's nextval -- one
+    wait -- then the event, calls and key inserts and COMMIT -- one wait), parameters built
+    before the clock."""
 
     def __init__(self, url: str, name: str) -> None:
         open_store(url, schema=name).close()  # the store's schema, migrated
         engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
         self.sql = _Statements(engine)
         engine.dispose()
-        backend = postgresql_backend(name)
-        self.lock = backend.begin_write_sql
-        self.next_seq = backend.next_seq_sql or ""
+        assert self.sql.stage_lookup_seq is not None
+        self.lookup = self.sql.stage_lookup_seq  # the stage's lookup with its event's nextval, as the store sends it
+        self.lock = postgresql_backend(name).begin_write_sql
         self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")
         self.connection.execute("SET synchronous_commit = on")
         self.name, self.rows = name, 0
@@ -236,13 +237,11 @@ class FloorSide:
         sql, connection = self.sql, self.connection
         start = time.perf_counter()
         for lookup, event, call, key in stages:
-            cursor, side = connection.cursor(), connection.cursor()
+            cursor = connection.cursor()
             with connection.pipeline():
                 cursor.execute("BEGIN")
                 cursor.execute(self.lock)
-                side.execute(self.next_seq)
-                cursor.execute(sql.stage_lookup.sql, sql.stage_lookup.params(lookup)).fetchone()
-                seq = side.fetchone()[0]  # type: ignore[index]
+                seq = cursor.execute(self.lookup.sql, self.lookup.params(lookup)).fetchone()[-1]  # type: ignore[index]
                 cursor.execute(sql.insert_event_at.sql, sql.insert_event_at.params({**event, "seq": seq}))
                 cursor.execute(sql.insert_call.sql, sql.insert_call.params({**call, "last_seq": seq}))
                 cursor.execute(sql.insert_key.sql, sql.insert_key.params({**key, "event_seq": seq}))
