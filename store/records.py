@@ -456,7 +456,8 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         encode_ids(columns.token_ids)
         encode_mask(columns.token_mask)
         encode_floats(columns.log_probs)
-        with _prehashed(digest, columns, extras_verified=True):
+        token = _PREHASHED.set((digest, columns, True))  # not _prehashed(): a generator costs a microsecond here
+        try:
             return cls(
                 schema_version=schema_version,  # type: ignore[arg-type]
                 rollout_id=rollout_id,
@@ -476,6 +477,8 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
                 cumulative_hash=cumulative_hash,
                 extras=payload,
             )
+        finally:
+            _PREHASHED.reset(token)
 
 
 class StagedCallSnapshot(StagedCallRecord, frozen=True, kw_only=True):
