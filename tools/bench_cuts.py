@@ -64,6 +64,7 @@ from store import (
     capture_key,
     open_store,
 )
+from store.capture import _admission_body as admission_body
 from store.cuts import resolve_continuation
 from store.events import EventKind
 
@@ -278,12 +279,22 @@ def bench_continuation(report: Report, args: Any, folder: str, rng: np.random.Ge
     def sha() -> None:
         hashlib.sha256(setup.preimage).hexdigest()
 
+    body = admission_body(capture.begin_call(admission))
+
+    def admission_write() -> None:
+        store.record_admission(admission.rollout_id, admission.model_call_id, body)
+
+    def call_lookup() -> None:
+        store.call(admission.rollout_id, admission.model_call_id)
+
     raw = RawAdmissionFloor(path, folder)
     sides: dict[str, Callable[[], Any]] = {
         "sha256": sha,
         "begin_call": begin,
         "resolve_continuation": resolve,
         "fetch": fetch,
+        "call_lookup": call_lookup,
+        "admission_write": admission_write,
         "raw_admission": raw.append,
     }
     numbers = {
@@ -333,7 +344,9 @@ def bench_continuation(report: Report, args: Any, folder: str, rng: np.random.Ge
         "begin_call": "begin_call (resolve + checks + admission commit)",
         "resolve_continuation": "  resolve_continuation (fetch + concat + 3 hashes)",
         "fetch": f"    store.fetch of the {CUT_CHUNKS} chunks (checksum, decode, verify)",
-        "raw_admission": f"  floor: the admission event ({raw.size} B) appended with raw sqlite3, same pragmas",
+        "call_lookup": "  store.call: is the call already finished? (one calls-row lookup)",
+        "admission_write": "  store.record_admission: the admission event's write",
+        "raw_admission": f"    floor: that event row ({raw.size} B) appended with raw sqlite3, same pragmas",
     }
     report.table(
         "(a) begin_call of a continued call resolved from the log (ratio: median (min-max) of per-round ratios)",
