@@ -73,7 +73,7 @@ class TokenIds(Sequence[int]):
             raise DigestValueError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
         if not ids:
             return cls(np.empty(0, dtype=np.uint64))
-        if isinstance(ids, (list, tuple)):
+        if type(ids) is list or type(ids) is tuple:  # a subclass may override what the C paths read
             packed = _ids_from_list(ids)
             if packed is not None:
                 return cls(packed)
@@ -301,7 +301,9 @@ class FloatColumn(Sequence[float]):
         elif not values:
             given = np.empty(0, dtype=np.float64)
         else:
-            encoded = _floats_from_list(values) if isinstance(values, (list, tuple)) else None
+            encoded = None
+            if type(values) is list or type(values) is tuple:  # a subclass may override what C reads
+                encoded = _floats_from_list(values)
             if encoded is not None:
                 view, scratch = encoded
                 try:

@@ -231,3 +231,15 @@ def test_list_and_buffer_forms_hash_to_the_same_digest() -> None:
         **fields,
     )
     assert from_lists == from_buffers
+
+
+class LyingList(list[Any]):
+    def __getitem__(self, index: Any) -> Any:
+        return 7 if isinstance(index, int) else super().__getitem__(index)
+
+
+def test_a_list_subclass_takes_the_element_by_element_path() -> None:
+    with pytest.raises(DigestValueError, match="found bool"):
+        TokenIds.coerce(LyingList([5, True, 6] * 10), "ids")
+    assert TokenIds.coerce(LyingList([5, 0, 6])).tolist() == [5, 0, 6]
+    assert FloatColumn.coerce(LyingList([-0.5, 0.0]), "values").tolist() == [-0.5, 0.0]
