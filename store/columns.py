@@ -39,7 +39,7 @@ _EXACT_CHECK_MIN = 16_384  # values: from this length a column checks whether bi
 # msgpack writes every exact float as 0xcb then its big-endian binary64 bits: 9 bytes a value.
 _MSGPACK_ENCODE_INTO = msgspec.msgpack.Encoder().encode_into
 _SCRATCH = threading.local()  # .buffer: this thread's msgpack scratch bytearray
-_SCRATCH_KEEP = 1 << 22  # bytes: a larger scratch buffer is dropped after use
+_SCRATCH_KEEP = 1 << 20  # bytes (~116,000 floats): a larger scratch buffer is not kept per thread
 _MSGPACK_F64 = np.dtype([("tag", "u1"), ("value", ">f8")])
 _MSGPACK_F64_TAG = 0xCB
 # What encoding a list of a hostile or foreign element raises (the slow path then names it).

@@ -194,7 +194,7 @@ def test_a_scratch_buffer_still_viewed_is_replaced_not_resized() -> None:
 
 
 def test_a_very_long_columns_scratch_buffer_is_not_kept() -> None:
-    FloatColumn.coerce([-0.5] * 600_000, "values")  # 5.4 MB encoded
+    FloatColumn.coerce([-0.5] * 200_000, "values")  # 1.8 MB encoded
     assert columns._SCRATCH.buffer is None
     FloatColumn.coerce([-0.5] * 10, "values")
     assert isinstance(columns._SCRATCH.buffer, bytearray)
