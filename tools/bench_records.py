@@ -150,7 +150,6 @@ def preimage(columns: Columns) -> bytes:
 
 def block(fn: Callable[[], Any], number: int) -> float:
     """Seconds per call over ``number`` back-to-back calls (the collector paused)."""
-    gc.collect()
     gc.disable()
     try:
         start = time.perf_counter()
