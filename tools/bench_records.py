@@ -23,10 +23,13 @@
     digests are checked equal first.  Target (issue 11): Gym / ours >= 8x.  Skipped, and
     said so, without the path.  Gym's code is read from PATH at run time and never copied.
 
-Every comparison alternates short blocks of each side within each round, and reports the
-median, min and max of the per-round ratios (the machine may be shared).
+Every comparison alternates short blocks (about 6 ms) of each side within each round, and
+reports the median, min and max of the per-round ratios (the machine may be shared).
+``--clock cpu`` times the blocks by this process's CPU time instead of the wall clock (both
+sides alike): the work is single-threaded CPU work, so this leaves out the time the process
+waits for a core on a loaded machine.
 
-    .venv/bin/python tools/bench_records.py [--quick] [--json] [--profile] [--nemo-gym PATH]
+    .venv/bin/python tools/bench_records.py [--quick] [--json] [--profile] [--nemo-gym PATH] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -148,27 +151,32 @@ def preimage(columns: Columns) -> bytes:
 # --- timing in alternating blocks ---------------------------------------------------------------
 
 
-def block(fn: Callable[[], Any], number: int) -> float:
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def block(fn: Callable[[], Any], number: int, clock: Callable[[], float]) -> float:
     """Seconds per call over ``number`` back-to-back calls (the collector paused)."""
     gc.disable()
     try:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(number):
             fn()
-        return (time.perf_counter() - start) / number
+        return (clock() - start) / number
     finally:
         gc.enable()
 
 
-def alternate(sides: dict[str, Callable[[], Any]], rounds: int, block_seconds: float) -> dict[str, list[float]]:
-    """Per-call seconds of each side, one short block each per round, in rotating order."""
+def alternate(
+    sides: dict[str, Callable[[], Any]], rounds: int, block_seconds: float, clock: Callable[[], float]
+) -> dict[str, list[float]]:
+    """Per-call seconds of each side, one block of about ``block_seconds`` each per round, in rotating order."""
     numbers = {name: calibrate(fn, block_seconds) for name, fn in sides.items()}
     names = list(sides)
     times: dict[str, list[float]] = {name: [] for name in names}
     for index in range(rounds):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(block(sides[name], numbers[name]))
+            times[name].append(block(sides[name], numbers[name], clock))
     return times
 
 
@@ -235,13 +243,24 @@ class _Ours:
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--profile", action="store_true", help="cProfile the list-form build at 4,096 tokens (stderr)")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 15, --quick 5)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 41, --quick 5)")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="time blocks by the wall clock (default) or by this process's CPU time (both sides alike)",
+    )
     p.add_argument("--nemo-gym", default=None, metavar="PATH", help="NeMo Gym 0.7.0's unpacked wheel, for (b)")
     args = p.parse_args()
-    rounds = args.rounds or (5 if args.quick else 15)
-    block_seconds = 0.004 if args.quick else 0.02
+    rounds = args.rounds or (5 if args.quick else 41)
+    # Short blocks: a process descheduled for a few milliseconds (a shared machine) spoils
+    # fewer rounds, and lands in each side's blocks alike.
+    block_seconds = 0.003 if args.quick else 0.006
+    clock = CLOCKS[args.clock]
     rng = np.random.default_rng(args.seed)
-    report = Report("bench_records", params={"sizes": list(SIZES), "forms": list(FORMS), "rounds": rounds})
+    report = Report(
+        "bench_records", params={"sizes": list(SIZES), "forms": list(FORMS), "rounds": rounds, "clock": args.clock}
+    )
 
     rows = []
     all_columns = {size: make_columns(rng, size) for size in SIZES}
@@ -254,7 +273,7 @@ def main() -> int:
         def sha(data: bytes = data) -> str:
             return hashlib.sha256(data).hexdigest()
 
-        times = alternate({"sha256": sha, **builders}, rounds, block_seconds)
+        times = alternate({"sha256": sha, **builders}, rounds, block_seconds, clock)
         base = times["sha256"]
         report.results[f"sha256_{size}"] = {"preimage_bytes": len(data), "seconds": base}
         rows.append([f"sha256 preimage ({len(data):,} B)", size, fmt_seconds(statistics.median(base)), "1.00x"])
@@ -296,7 +315,7 @@ def main() -> int:
             def theirs(ids: list[int] = ids, mask: list[float] = mask, logprobs: list[float] = logprobs) -> Any:
                 return digest_set(gym, ids, mask, logprobs)
 
-            times = alternate({"gym": theirs, "ours": ours}, rounds, block_seconds)
+            times = alternate({"gym": theirs, "ours": ours}, rounds, block_seconds, clock)
             speedup = ratios(times["gym"], times["ours"])
             median = statistics.median(speedup)
             report.results[f"digest_set_{size}"] = {"gym_seconds": times["gym"], "ours_seconds": times["ours"]}
