@@ -8,6 +8,7 @@ savepoint when it shares a batch, so one caller's error never undoes another's e
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -21,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
+from store.checkpointer import Checkpointer
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
@@ -64,6 +66,7 @@ class NewEvent:
     # The stored form (body, ids, mask, log-probs), encoded once when the event is built, so
     # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
     stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
+    size: int = field(init=False, repr=False, compare=False)  # bytes of the stored form (checkpoint pacing)
 
     def __post_init__(self) -> None:
         columns = self.columns
@@ -78,6 +81,7 @@ class NewEvent:
                 encode_floats(columns.log_probs),
             )
         object.__setattr__(self, "stored", stored)
+        object.__setattr__(self, "size", sum(len(part) for part in stored if part is not None))
 
 
 class _Statements:
@@ -217,6 +221,7 @@ class WriteTransaction:
         self._sql = statements
         self._pid = os.getpid()
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
+        self.appended_bytes = 0  # their stored size (paces WAL checkpoints)
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
         self._unfenced: set[str] = set()
         self.last_seq: int | None = None  # the sequence number of the last event appended
@@ -332,6 +337,7 @@ class WriteTransaction:
         row = self._execute(self._sql.insert_event, stored).fetchone()
         seq = int(row[0])
         self.appended += 1
+        self.appended_bytes += new.size
         self.last_seq = seq
         event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
@@ -420,6 +426,10 @@ class _Pending(Generic[T]):
 # How long a new leader may wait for the callers of the previous batch to queue again.
 # Far below one fsync, so gathering them into one commit is always the better trade.
 GATHER_SECONDS = 0.0005
+GATHER_MAX_SECONDS = 0.005
+RECENT_BATCHES = 8  # a leader gathers for the largest of the last few batches
+PAGE_BYTES = 4096
+COMMIT_PAGES = 4  # pages a commit writes beside its events' own bytes (tables' leaves, indexes)
 
 
 class EventLog:
@@ -445,9 +455,13 @@ class EventLog:
         self._durable = durable
         self._wal_path = wal_path  # SQLite: the -wal file a durable acknowledgement may have to sync
         self._statements = _Statements(engine)
+        self._checkpointer = (
+            None if backend.checkpoint_sql is None or read_only else Checkpointer(engine, backend.checkpoint_sql)
+        )
         self._driver_errors = driver_errors(engine)
         self._closed = False
-        self._last_batch = 1
+        self._recent_batches: collections.deque[int] = collections.deque([1], maxlen=RECENT_BATCHES)
+        self._last_write_seconds = 0.0
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -479,7 +493,9 @@ class EventLog:
         try:
             self._take_turn(pending)
             if self._leader is pending:
+                started = time.perf_counter()
                 self._write_batch(self._batch)
+                self._last_write_seconds = time.perf_counter() - started
         finally:
             repeat_through_interrupts(lambda: self._leave(pending))  # else the writer role stays taken
         if pending.error is not None:
@@ -517,7 +533,7 @@ class EventLog:
         for other in self._batch:
             if other is not pending and not other.done and other not in self._queue:
                 self._settle_orphan(other)
-        self._last_batch = max(1, len(self._batch))
+        self._recent_batches.append(max(1, len(self._batch)))
         self._finished.notify_all()  # before the role is given back, so a repeat notifies again
         self._batch = []
         self._leader = None
@@ -538,10 +554,13 @@ class EventLog:
 
     def _gather(self) -> None:
         """Wait briefly for as many callers as the last batch had (called holding the lock)."""
-        expected = self._last_batch
+        expected = max(self._recent_batches)
         if expected <= 1 or len(self._queue) >= expected:
             return
-        deadline = time.monotonic() + GATHER_SECONDS
+        # Up to as long as the last batch took to write: a batch that fills cuts the commits
+        # per record, and its callers are usually back within that time.
+        window = min(GATHER_MAX_SECONDS, max(GATHER_SECONDS, self._last_write_seconds))
+        deadline = time.monotonic() + window
         self._gathering = True
         try:
             while len(self._queue) < expected:
@@ -603,6 +622,22 @@ class EventLog:
             failpoints.hit("before_commit")
         if unsynced and self._wal_path is not None:
             sync_file(self._wal_path)
+        self._after_commit(connection, transaction.appended_bytes)
+
+    def _after_commit(self, connection: Any, appended_bytes: int) -> None:
+        """Pace WAL checkpoints: a background thread's, or the writer's own if that one falls behind."""
+        checkpointer = self._checkpointer
+        if checkpointer is None:
+            return
+        # Pages the commit wrote, about: the events' stored bytes and a few projection pages.
+        checkpointer.committed(appended_bytes + COMMIT_PAGES * PAGE_BYTES)
+        if checkpointer.behind() and self._backend.checkpoint_sql is not None:
+            cursor = connection.cursor()
+            try:
+                cursor.execute(self._backend.checkpoint_sql).fetchall()
+            finally:
+                cursor.close()
+            checkpointer.checkpointed_in_line()
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
         if savepoint is not None:
@@ -644,7 +679,17 @@ class EventLog:
             # The driver's own connection: the write path is hot, the pool's proxy is not needed.
             self._connection = self._fairy.dbapi_connection
             self._commit_mode = None
+            self._run_on_writer(self._backend.writer_setup_sql)
         return self._connection
+
+    def _run_on_writer(self, statements: tuple[str, ...]) -> None:
+        if statements:
+            cursor = self._connection.cursor()
+            try:
+                for sql in statements:
+                    cursor.execute(sql).fetchall()
+            finally:
+                cursor.close()
 
     def _discard_writer(self) -> None:
         # Forget it first: even if invalidating is interrupted, the next batch opens a new one.
@@ -656,6 +701,9 @@ class EventLog:
     def release_writer(self) -> None:
         """Return the writer connection to the pool (before a fork: no connection is held in use)."""
         with self._lock:
+            if self._connection is not None:
+                with contextlib.suppress(*self._driver_errors):  # a broken connection is closed anyway
+                    self._run_on_writer(self._backend.writer_reset_sql)
             fairy, self._fairy, self._connection = self._fairy, None, None
         if fairy is not None:
             fairy.close()
@@ -663,6 +711,8 @@ class EventLog:
     def after_fork_in_child(self) -> None:
         """In a forked child: new locks and queue; the parent's connection is neither used nor closed."""
         self._reset_state()
+        if self._checkpointer is not None:
+            self._checkpointer.after_fork_in_child()
 
     def close(self) -> None:
         """Refuse new writes, fail the queued ones, let the batch being written commit, close the writer."""
@@ -677,3 +727,5 @@ class EventLog:
             while self._leader is not None:
                 self._finished.wait()
         self.release_writer()
+        if self._checkpointer is not None:
+            self._checkpointer.close()

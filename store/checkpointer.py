@@ -1,0 +1,110 @@
+"""WAL checkpoints off the committing thread (SQLite).
+
+SQLite's automatic checkpoint runs inside the commit that crosses its threshold, so one
+acknowledgement in every few hundred waits for the whole -wal to be copied into the database
+and synced: the write path's latency tail.  The writer turns it off (``Backend.writer_setup_sql``)
+and reports what it commits here; past ``every_bytes`` a background thread runs a PASSIVE
+checkpoint on its own pooled connection.  Checkpoints are crash safe in any order with commits
+(the -wal stays the durable copy until a checkpoint has synced the database), so durability is
+unchanged.  If the thread falls far behind (a failing checkpoint), the writer checkpoints itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+# SQLite's own autocheckpoint threshold is 1,000 pages (about 4 MiB of -wal).
+CHECKPOINT_BYTES = 4 * 1024 * 1024
+# Unchecked bytes past which the writer no longer trusts the thread and checkpoints in line.
+BEHIND_BYTES = 16 * CHECKPOINT_BYTES
+# A checkpoint a reader kept from finishing is tried again this often, so the -wal can restart
+# (and shrink) soon after a long reader ends, whether or not more is written.
+RETRY_SECONDS = 0.1
+
+
+class Checkpointer:
+    """One background thread per store that checkpoints when enough was committed."""
+
+    def __init__(self, engine: Engine, sql: str, every_bytes: int | None = None) -> None:
+        self._engine = engine
+        self._sql = sql
+        self._every = CHECKPOINT_BYTES if every_bytes is None else every_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        # Running totals of committed bytes: the writer moves the first two, the thread the
+        # last (single assignments, so no lock): what was committed when a request was made,
+        # and what the last successful checkpoint covered.
+        self._total = 0
+        self._requested = 0
+        self._checked = 0
+
+    def committed(self, nbytes: int) -> None:
+        """The writer committed about ``nbytes`` (called by one writer at a time)."""
+        self._total += nbytes
+        if self._total - self._requested < self._every or self._closed:
+            return
+        self._requested = self._total
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="store-wal-checkpoint", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def behind(self) -> bool:
+        """Whether the writer should checkpoint in line (the thread is not keeping up)."""
+        return self._total - self._checked >= BEHIND_BYTES
+
+    def checkpointed_in_line(self) -> None:
+        self._checked = self._total
+
+    def _run(self) -> None:
+        unfinished = False
+        while True:
+            self._wake.wait(RETRY_SECONDS if unfinished else None)
+            self._wake.clear()
+            if self._closed:
+                return
+            requested = self._requested
+            finished = self._checkpoint()
+            if finished is not None:
+                self._checked = max(self._checked, requested)
+            unfinished = not finished
+
+    def _checkpoint(self) -> bool | None:
+        """Whether the checkpoint copied the whole -wal (None: it failed)."""
+        try:
+            connection: Any = self._engine.raw_connection()
+        except Exception:  # retried; ``behind`` bounds the -wal meanwhile
+            return None
+        try:
+            cursor = connection.cursor()
+            row = cursor.execute(self._sql).fetchone()
+            cursor.close()
+            # (busy, frames in the -wal, frames copied): a reader's snapshot can hold some back.
+            return row is None or row[2] >= row[1]
+        except Exception:
+            with contextlib.suppress(Exception):
+                connection.invalidate()
+            return None
+        finally:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    def close(self) -> None:
+        """Stop the thread (a checkpoint under way finishes first)."""
+        self._closed = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's thread does not exist in a forked child: start afresh."""
+        self._reset()
