@@ -12,9 +12,10 @@ Pairs (each ratio = store records/s over raw records/s in the same round):
 * ``store x1``  vs ``raw 1/txn``   -- one thread calls ``Store.stage``; raw: BEGIN IMMEDIATE, one INSERT, COMMIT;
 * ``store x16`` vs ``raw 16/txn``  -- 16 threads stage concurrently (group commit); raw: 16 rows per transaction;
 * ``store x64`` vs ``raw 64/txn``  -- the same with 64 threads and 64 rows per transaction;
-* ``floor x1``  vs ``raw 1/txn``   -- for scale: the store's own statements for each record (its one lookup,
-  then the event, calls and key inserts) through raw sqlite3 on the store's schema, no Python
-  around them (the most this schema could reach);
+* ``floor x1``, ``floor 16/txn``, ``floor 64/txn`` vs the raw variant of the same batch size -- for scale:
+  the store's own statements for each record (its one lookup, then the event, calls and key inserts)
+  through raw sqlite3 on the store's schema, from one thread, no Python around them (the most this
+  schema could reach);
 * ``small ...`` -- the 1-stager pair and floor again with 256-token records (per-record overhead);
 * latency (16 stagers): every ``stage()`` call's time against the median time raw sqlite3 takes
   to commit one 16-row batch of the same bytes, same round: median and p99 of the stage times;
@@ -132,16 +133,18 @@ def floor_checksum(record: StagedCallRecord, body: bytes, ids: bytes, mask: byte
 # --- variants: each returns elapsed seconds and extra facts ----------------------------------
 
 
-def run_store_schema_floor(path: str, records: list[StagedCallRecord], rows: list[RawRow]) -> float:
-    """The store's per-record statements and commit, driven by raw sqlite3 (no store code)."""
+def run_store_schema_floor(path: str, records: list[StagedCallRecord], rows: list[RawRow], batch: int = 1) -> float:
+    """The store's per-record statements, ``batch`` records per commit, driven by raw sqlite3 from
+    one thread (no store code, no threads: what a group-commit batch of that size could reach)."""
     open_store(path).close()  # create and migrate the schema
     connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     connection.execute("PRAGMA synchronous = FULL")
     try:
         start = time.perf_counter()
-        for record, (key, body, ids, mask, lps, checksum) in zip(records, rows, strict=True):
+        for index, (record, (key, body, ids, mask, lps, checksum)) in enumerate(zip(records, rows, strict=True)):
             stream = (record.rollout_id, record.model_call_id)
-            connection.execute("BEGIN IMMEDIATE")
+            if index % batch == 0:
+                connection.execute("BEGIN IMMEDIATE")
             lookup = {"rollout_id": stream[0], "model_call_id": stream[1], "staging_key": key}
             connection.execute(STAGE_LOOKUP.sql, STAGE_LOOKUP.params(lookup)).fetchone()
             seq = connection.execute(
@@ -151,7 +154,8 @@ def run_store_schema_floor(path: str, records: list[StagedCallRecord], rows: lis
                 (*stream, key, body, ids, mask, lps, checksum),
             ).fetchone()[0]
             _insert_floor_projections(connection, record, stream, key, seq)
-            connection.execute("COMMIT")
+            if index % batch == batch - 1 or index == len(records) - 1:
+                connection.execute("COMMIT")
         elapsed = time.perf_counter() - start
     finally:
         connection.close()
@@ -396,8 +400,8 @@ def main() -> int:
     small_bytes = statistics.fmean(sum(len(part) for part in row[1:]) for row in small_rows)
 
     raw1, floor1, store1 = "raw 1/txn", "floor x1", "store x1"
-    raw_mid, store_mid = f"raw {THREADS}/txn", f"store x{THREADS}"
-    raw_many, store_many = f"raw {MANY_THREADS}/txn", f"store x{MANY_THREADS}"
+    raw_mid, store_mid, floor_mid = f"raw {THREADS}/txn", f"store x{THREADS}", f"floor {THREADS}/txn"
+    raw_many, store_many, floor_many = f"raw {MANY_THREADS}/txn", f"store x{MANY_THREADS}", f"floor {MANY_THREADS}/txn"
     small_raw, small_floor, small_store = "small raw 1/txn", "small floor x1", "small store x1"
     grown, empty, growth_raw = "grown store x1", "empty store x1", "growth raw 1/txn"
     batches: dict[str, list[int]] = {store_mid: [], store_many: []}
@@ -425,19 +429,21 @@ def main() -> int:
         floor1: lambda path, _: run_store_schema_floor(path, one_records, one_rows),
         store_mid: lambda path, _: store_block(path, mid_records, THREADS, store_mid),
         raw_mid: lambda path, _: raw_mid_block(path),
+        floor_mid: lambda path, _: run_store_schema_floor(path, mid_records, mid_rows, THREADS),
         store_many: lambda path, _: store_block(path, records, MANY_THREADS, store_many),
         raw_many: lambda path, _: run_raw(path, rows, MANY_THREADS),
+        floor_many: lambda path, _: run_store_schema_floor(path, records, rows, MANY_THREADS),
         small_store: lambda path, _: store_block(path, small_records, 1, small_store),
         small_raw: lambda path, _: run_raw(path, small_rows, 1),
         small_floor: lambda path, _: run_store_schema_floor(path, small_records, small_rows),
     }
     counts = {name: block for name in variants}
-    counts.update({store_mid: block * THREADS, raw_mid: block * THREADS})
-    counts.update({store_many: block * MANY_THREADS, raw_many: block * MANY_THREADS})
+    counts.update({name: block * THREADS for name in (store_mid, raw_mid, floor_mid)})
+    counts.update({name: block * MANY_THREADS for name in (store_many, raw_many, floor_many)})
     groups = [
         (store1, raw1, floor1),
-        (store_mid, raw_mid),
-        (store_many, raw_many),
+        (store_mid, raw_mid, floor_mid),
+        (store_many, raw_many, floor_many),
         (small_store, small_raw, small_floor),
     ]
     elapsed: dict[str, list[float]] = {}
@@ -506,7 +512,8 @@ def main() -> int:
         shown = " ".join(f"{r:.2f}" for r in per_round)
         table.append([key, f"{medians[key]:.3f}x", f"{min(per_round):.3f}x", f"{max(per_round):.3f}x", shown])
 
-    pairs = [(store1, raw1), (store_mid, raw_mid), (store_many, raw_many), (floor1, raw1)]
+    pairs = [(store1, raw1), (store_mid, raw_mid), (store_many, raw_many)]
+    pairs += [(floor1, raw1), (floor_mid, raw_mid), (floor_many, raw_many)]
     pairs += [(small_store, small_raw), (small_floor, small_raw)]
     if args.growth:
         pairs += [(grown, growth_raw), (empty, growth_raw)]
@@ -543,7 +550,10 @@ def main() -> int:
                 f"{name}: group-commit batch mean {statistics.fmean(sizes):.1f}, most common sizes "
                 + ", ".join(f"{size}: {seen}" for size, seen in common)
             )
-    report.notes.append("floor x1 = the store's own statements through raw sqlite3 (for scale, no target)")
+    report.notes.append(
+        "floor = the store's own statements through raw sqlite3 from one thread, same records per commit "
+        "(for scale, no target)"
+    )
     many_name = f"staging_{MANY_THREADS}_stagers_vs_raw_{MANY_THREADS}_per_txn"
     latency = f"{store_mid} stage() %s / raw {THREADS}-row commit median"
     targets = [
