@@ -423,11 +423,12 @@ class _Pending(Generic[T]):
         self.error: BaseException | None = None
 
 
-# How long a new leader may wait for the callers of the previous batch to queue again.
-# Far below one fsync, so gathering them into one commit is always the better trade.
+# How long a running batch may wait for the callers of the previous batch to queue again: at
+# least this, at most the max, else as long as the last commit took.
 GATHER_SECONDS = 0.0005
 GATHER_MAX_SECONDS = 0.005
-RECENT_BATCHES = 8  # a leader gathers for the largest of the last few batches
+RECENT_BATCHES = 8  # a batch waits for as many callers as the largest of the last few had
+MAX_BATCH = 1024  # callers a batch takes in at most (a commit must come)
 PAGE_BYTES = 4096
 COMMIT_PAGES = 4  # pages a commit writes beside its events' own bytes (tables' leaves, indexes)
 
@@ -461,7 +462,7 @@ class EventLog:
         self._driver_errors = driver_errors(engine)
         self._closed = False
         self._recent_batches: collections.deque[int] = collections.deque([1], maxlen=RECENT_BATCHES)
-        self._last_write_seconds = 0.0
+        self._last_commit_seconds = 0.0  # how long the last batch's commit took (bounds the gathering)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -493,9 +494,7 @@ class EventLog:
         try:
             self._take_turn(pending)
             if self._leader is pending:
-                started = time.perf_counter()
                 self._write_batch(self._batch)
-                self._last_write_seconds = time.perf_counter() - started
         finally:
             repeat_through_interrupts(lambda: self._leave(pending))  # else the writer role stays taken
         if pending.error is not None:
@@ -553,14 +552,12 @@ class EventLog:
         pending.done = True
 
     def _gather(self) -> None:
-        """Wait briefly for as many callers as the last batch had (called holding the lock)."""
+        """Wait briefly (``GATHER_SECONDS``) for as many callers as recent batches had before
+        the batch starts (called holding the lock); later ones join it while it runs."""
         expected = max(self._recent_batches)
         if expected <= 1 or len(self._queue) >= expected:
             return
-        # Up to as long as the last batch took to write: a batch that fills cuts the commits
-        # per record, and its callers are usually back within that time.
-        window = min(GATHER_MAX_SECONDS, max(GATHER_SECONDS, self._last_write_seconds))
-        deadline = time.monotonic() + window
+        deadline = time.monotonic() + GATHER_SECONDS
         self._gathering = True
         try:
             while len(self._queue) < expected:
@@ -570,6 +567,34 @@ class EventLog:
                 self._arrived.wait(remaining)
         finally:
             self._gathering = False
+
+    def _take_arrivals(self, batch: list[_Pending[Any]], durable: bool, deadline: float) -> bool:
+        """Move callers that queued while the batch ran into it (its transaction is still open);
+        while it is smaller than recent batches, wait for them until ``deadline``.
+
+        The gathering overlaps the batch's own statements, so a leader starts at once and the
+        batch fills while it works.  A durable caller never joins a batch that commits without
+        a sync; it leads or joins the next one.
+        """
+        with self._lock:
+            expected = max(self._recent_batches)
+            self._gathering = True
+            try:
+                while not self._closed and len(batch) < MAX_BATCH:
+                    arrived = [pending for pending in self._queue if durable or not pending.durable]
+                    if arrived:
+                        self._queue = [pending for pending in self._queue if not (durable or not pending.durable)]
+                        for pending in arrived:
+                            pending.error = pending.result = None
+                        batch.extend(arrived)
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if len(batch) >= expected or remaining <= 0:
+                        return False
+                    self._arrived.wait(remaining)
+                return False
+            finally:
+                self._gathering = False
 
     def _write_batch(self, batch: list[_Pending[Any]]) -> None:
         """One transaction for the batch.  Savepoints cost two statements per caller, so
@@ -608,20 +633,31 @@ class EventLog:
         connection = self._writer()
         mode_set = self._commit_mode == durable
         self._commit_mode = durable
+        # Up to one commit's time: callers released by the last commit are usually back by then.
+        window = min(GATHER_MAX_SECONDS, max(GATHER_SECONDS, self._last_commit_seconds))
+        deadline = time.monotonic() + window
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
             transaction = WriteTransaction(cursor, self._statements)
-            for index, pending in enumerate(batch):
-                if index:
-                    failpoints.hit("mid_batch")
-                self._run_one(transaction, pending, f"op{index}" if isolate else None)
-                if pending.error is not None and not isolate:
-                    raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
+            index = 0
+            while True:
+                while index < len(batch):
+                    if index:
+                        failpoints.hit("mid_batch")
+                    pending = batch[index]
+                    self._run_one(transaction, pending, f"op{index}" if isolate else None)
+                    if pending.error is not None and not isolate:
+                        raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
+                    index += 1
+                if isolate or not self._take_arrivals(batch, durable, deadline):
+                    break  # a batch run again isolated keeps exactly its callers
+            committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
             if unsynced and self._backend.force_commit_record_sql is not None:
                 cursor.execute(self._backend.force_commit_record_sql)
             failpoints.hit("before_commit")
         if unsynced and self._wal_path is not None:
             sync_file(self._wal_path)
+        self._last_commit_seconds = time.perf_counter() - committing
         self._after_commit(connection, transaction.appended_bytes)
 
     def _after_commit(self, connection: Any, appended_bytes: int) -> None:

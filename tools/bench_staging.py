@@ -254,8 +254,10 @@ def _count_batches(store: Any) -> list[int]:
         return sizes
 
     def counting(batch: list[Any]) -> None:
-        sizes.append(len(batch))
-        original(batch)
+        try:
+            original(batch)
+        finally:
+            sizes.append(len(batch))  # after: callers that queue while a batch runs join it
 
     log._write_batch = counting
     return sizes
