@@ -4,9 +4,15 @@ SQLite's automatic checkpoint runs inside the commit that crosses its threshold,
 acknowledgement in every few hundred waits for the whole -wal to be copied into the database
 and synced: the write path's latency tail.  The writer turns it off (``Backend.writer_setup_sql``)
 and reports what it commits here; past ``every_bytes`` a background thread runs a PASSIVE
-checkpoint on its own pooled connection.  Checkpoints are crash safe in any order with commits
-(the -wal stays the durable copy until a checkpoint has synced the database), so durability is
-unchanged.  If the thread falls far behind (a failing checkpoint), the writer checkpoints itself.
+checkpoint on its own pooled connection: it copies and syncs the bulk while the writer goes on.
+
+SQLite restarts the -wal from its start only at a write that begins with every frame copied,
+which a busy writer never sees while another connection checkpoints.  So once the background
+checkpoint is done, the writer runs one more PASSIVE checkpoint itself after its next commit:
+it copies only the frames committed meanwhile, and the batch after it restarts the -wal.  If
+the thread falls far behind (a failing checkpoint), the writer checkpoints in line as well.
+Checkpoints are crash safe in any order with commits (the -wal stays the durable copy until a
+checkpoint has synced the database), so durability is unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from sqlalchemy.engine import Engine
 
 # SQLite's own autocheckpoint threshold is 1,000 pages (about 4 MiB of -wal).
 CHECKPOINT_BYTES = 4 * 1024 * 1024
-# Unchecked bytes past which the writer no longer trusts the thread and checkpoints in line.
-BEHIND_BYTES = 16 * CHECKPOINT_BYTES
+# Requests' worth of unchecked bytes past which the writer no longer trusts the thread and
+# checkpoints in line.
+BEHIND_REQUESTS = 16
 # A checkpoint a reader kept from finishing is tried again this often, so the -wal can restart
 # (and shrink) soon after a long reader ends, whether or not more is written.
 RETRY_SECONDS = 0.1
@@ -45,6 +52,7 @@ class Checkpointer:
         self._total = 0
         self._requested = 0
         self._checked = 0
+        self._finish_due = False  # the thread's checkpoint is done: the writer finishes it
 
     def committed(self, nbytes: int) -> None:
         """The writer committed about ``nbytes`` (called by one writer at a time)."""
@@ -57,12 +65,14 @@ class Checkpointer:
             self._thread.start()
         self._wake.set()
 
-    def behind(self) -> bool:
-        """Whether the writer should checkpoint in line (the thread is not keeping up)."""
-        return self._total - self._checked >= BEHIND_BYTES
+    def due_in_line(self) -> bool:
+        """Whether the writer should checkpoint now, after its commit (it then calls
+        ``checkpointed_in_line``): the thread finished its part, or is far behind."""
+        return self._finish_due or self._total - self._checked >= BEHIND_REQUESTS * self._every
 
     def checkpointed_in_line(self) -> None:
         self._checked = self._total
+        self._finish_due = False
 
     def _run(self) -> None:
         unfinished = False
@@ -75,6 +85,8 @@ class Checkpointer:
             finished = self._checkpoint()
             if finished is not None:
                 self._checked = max(self._checked, requested)
+            if finished:
+                self._finish_due = True
             unfinished = not finished
 
     def _checkpoint(self) -> bool | None:

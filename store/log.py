@@ -661,13 +661,14 @@ class EventLog:
         self._after_commit(connection, transaction.appended_bytes)
 
     def _after_commit(self, connection: Any, appended_bytes: int) -> None:
-        """Pace WAL checkpoints: a background thread's, or the writer's own if that one falls behind."""
+        """Pace WAL checkpoints: a background thread's, then the writer's own to finish it (see
+        ``store.checkpointer``)."""
         checkpointer = self._checkpointer
         if checkpointer is None:
             return
         # Pages the commit wrote, about: the events' stored bytes and a few projection pages.
         checkpointer.committed(appended_bytes + COMMIT_PAGES * PAGE_BYTES)
-        if checkpointer.behind() and self._backend.checkpoint_sql is not None:
+        if checkpointer.due_in_line() and self._backend.checkpoint_sql is not None:
             cursor = connection.cursor()
             try:
                 cursor.execute(self._backend.checkpoint_sql).fetchall()

@@ -523,6 +523,32 @@ def test_the_wal_is_truncated_after_a_long_reader_ends(tmp_path: Path, monkeypat
         assert wal.stat().st_size <= limit
 
 
+def test_the_writer_does_not_checkpoint_and_the_wal_stays_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WAL checkpoints run off the committing thread; the -wal still stays bounded (a background
+    PASSIVE checkpoint per CHECKPOINT_BYTES committed, the writer's own past BEHIND_REQUESTS)."""
+    every = 64 * 1024
+    monkeypatch.setattr(checkpointer_module, "CHECKPOINT_BYTES", every)
+    path = tmp_path / "bounded.db"
+    big = [i % 50_000 + 70_000 for i in range(4096)]  # ids beyond u16: about 16 KiB a record
+    with open_store(path, durability="full") as opened:
+        records = [make_record(model_call_id=f"c{i}", generated=big) for i in range(200)]
+        for record in records:
+            assert opened.stage(record).ok
+        writer = opened._log._connection
+        assert writer.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # commits never checkpoint
+        assert any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())
+        # 200 records are over 3 MiB of -wal without a checkpoint; the in-line fallback alone
+        # (16 requests' worth) would keep it near 1 MiB.
+        assert Path(f"{path}-wal").stat().st_size < 2 * checkpointer_module.BEHIND_REQUESTS * every
+        assert [s.digest for s in opened.fetch([r.staging_key for r in records])] == [r.digest for r in records]
+        assert opened.replay().ok
+    assert not any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())  # stopped
+    with sqlite3.connect(path) as connection:  # what the pool's next user gets back: SQLite's default
+        assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+
+
 # --- 17: a durable acknowledgement of a record written without a sync -------------------------------
 
 
