@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -31,6 +32,10 @@ BEHIND_REQUESTS = 16
 # A checkpoint a reader kept from finishing is tried again this often, so the -wal can restart
 # (and shrink) soon after a long reader ends, whether or not more is written.
 RETRY_SECONDS = 0.1
+# A background pass that took longer than this copied many frames, and the writer committed more
+# meanwhile: the thread runs another pass (up to MAX_PASSES) so the writer's part stays small.
+SHORT_PASS_SECONDS = 0.002
+MAX_PASSES = 8
 
 
 class Checkpointer:
@@ -82,7 +87,11 @@ class Checkpointer:
             if self._closed:
                 return
             requested = self._requested
-            finished = self._checkpoint()
+            for _ in range(MAX_PASSES):
+                began = time.monotonic()
+                finished = self._checkpoint()
+                if not finished or time.monotonic() - began < SHORT_PASS_SECONDS or self._closed:
+                    break
             if finished is not None:
                 self._checked = max(self._checked, requested)
             if finished:
