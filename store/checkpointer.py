@@ -49,6 +49,10 @@ class Checkpointer:
 
     def _reset(self) -> None:
         self._wake = threading.Event()
+        # Held while the thread has a connection checked out, and by a fork: no SQLite
+        # connection may be open across a fork (see ``Store._before_fork``).
+        self._busy = threading.Lock()
+        self._held = False
         self._thread: threading.Thread | None = None
         self._closed = False
         # Running totals of committed bytes: the writer moves the first two, the thread the
@@ -100,6 +104,10 @@ class Checkpointer:
 
     def _checkpoint(self) -> bool | None:
         """Whether the checkpoint copied the whole -wal (None: it failed)."""
+        with self._busy:
+            return self._checkpoint_on_pooled_connection()
+
+    def _checkpoint_on_pooled_connection(self) -> bool | None:
         try:
             connection: Any = self._engine.raw_connection()
         except Exception:  # retried; ``behind`` bounds the -wal meanwhile
@@ -125,6 +133,16 @@ class Checkpointer:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+    def hold_for_fork(self) -> None:
+        """Before a fork: wait for a checkpoint under way, start no other until released."""
+        self._busy.acquire()
+        self._held = True
+
+    def release_after_fork(self) -> None:
+        if self._held:
+            self._held = False
+            self._busy.release()
 
     def after_fork_in_child(self) -> None:
         """The parent's thread does not exist in a forked child: start afresh."""

@@ -745,6 +745,15 @@ class EventLog:
         if fairy is not None:
             fairy.close()
 
+    def hold_checkpoints_for_fork(self) -> None:
+        """Before a fork: no background checkpoint holds a connection across it."""
+        if self._checkpointer is not None:
+            self._checkpointer.hold_for_fork()
+
+    def release_checkpoints_after_fork(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.release_after_fork()
+
     def after_fork_in_child(self) -> None:
         """In a forked child: new locks and queue; the parent's connection is neither used nor closed."""
         self._reset_state()

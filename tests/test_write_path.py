@@ -549,6 +549,41 @@ def test_the_writer_does_not_checkpoint_and_the_wal_stays_bounded(
         assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_while_checkpoints_run_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork waits for a background checkpoint (no connection open across it); the parent and
+    the child each go on staging and checkpointing."""
+    monkeypatch.setattr(checkpointer_module, "CHECKPOINT_BYTES", 16 * 1024)
+    path = tmp_path / "forked.db"
+    big = [i % 50_000 + 70_000 for i in range(4096)]
+
+    def stage_some(opened: Store, prefix: str) -> list[StagedCallRecord]:
+        records = [make_record(model_call_id=f"{prefix}-{i}", generated=big) for i in range(20)]
+        assert all(opened.stage(record).ok for record in records)
+        return records
+
+    with open_store(path) as opened:
+        staged = stage_some(opened, "before")
+        assert any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                stage_some(opened, "child")
+                code = 0 if opened.replay().ok else 2
+            finally:
+                os._exit(code)
+        staged += stage_some(opened, "parent")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        child = [make_record(model_call_id=f"child-{i}", generated=big) for i in range(20)]
+        everything = staged + child
+        fetched = opened.fetch([record.staging_key for record in everything])
+        assert [s.digest for s in fetched] == [record.digest for record in everything]
+        report = opened.replay()
+        assert report.ok and report.events == 60
+
+
 # --- 17: a durable acknowledgement of a record written without a sync -------------------------------
 
 
