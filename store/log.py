@@ -27,7 +27,7 @@ from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
 from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
-from store.events import EventKind, decode_body, encode_body
+from store.events import RECORD_KINDS, EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
 from store.projections import (
     ROLLOUT_COLUMNS,
@@ -71,17 +71,15 @@ class NewEvent:
     def __post_init__(self) -> None:
         columns = self.columns
         stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
+        body = encode_body(self.body)
         if columns is None:
-            stored = (encode_body(self.body), None, None, None)
+            stored, size = (body, None, None, None), len(body)
         else:
-            stored = (
-                encode_body(self.body),
-                encode_ids(columns.token_ids),
-                encode_mask(columns.token_mask),
-                encode_floats(columns.log_probs),
-            )
+            ids, mask = encode_ids(columns.token_ids), encode_mask(columns.token_mask)
+            log_probs = encode_floats(columns.log_probs)
+            stored, size = (body, ids, mask, log_probs), len(body) + len(ids) + len(mask) + len(log_probs)
         object.__setattr__(self, "stored", stored)
-        object.__setattr__(self, "size", sum(len(part) for part in stored if part is not None))
+        object.__setattr__(self, "size", size)
 
 
 class _Statements:
@@ -216,10 +214,10 @@ class StageLookup:
 class WriteTransaction:
     """What a write function may do inside the shared transaction."""
 
-    def __init__(self, cursor: Any, statements: _Statements) -> None:
+    def __init__(self, cursor: Any, statements: _Statements, pid: int | None = None) -> None:
         self._cursor = cursor
         self._sql = statements
-        self._pid = os.getpid()
+        self._pid = os.getpid() if pid is None else pid
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
         self.appended_bytes = 0  # their stored size (paces WAL checkpoints)
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
@@ -303,14 +301,15 @@ class WriteTransaction:
         ``lookup``: what ``stage_lookup`` just read for this event's stream, in this
         transaction with nothing appended since (saves reading the calls row and version again).
         """
-        if fenced_kind(new.kind) and not new.past_fence:
-            self.check_fence(new.rollout_id)
+        kind = new.kind
         call: CallState | None
-        if lookup is not None:
-            call = lookup.call if affects_call(new.kind) else None
-            last_version = lookup.last_version
+        if lookup is not None:  # it refused a fenced capture key already
+            call = lookup.call if affects_call(kind) else None
+            last_version: int | None = lookup.last_version
         else:
-            call = self.call(new.rollout_id, new.model_call_id) if affects_call(new.kind) else None
+            if fenced_kind(kind) and not new.past_fence:
+                self.check_fence(new.rollout_id)
+            call = self.call(new.rollout_id, new.model_call_id) if affects_call(kind) else None
             last_version = None
         if call is not None:
             version = call.stream_version + 1  # the calls row tracks its stream's position
@@ -324,7 +323,7 @@ class WriteTransaction:
             "rollout_id": new.rollout_id,
             "model_call_id": new.model_call_id,
             "stream_version": version,
-            "kind": new.kind.value,
+            "kind": kind.value,
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
             "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
@@ -339,18 +338,41 @@ class WriteTransaction:
         self.appended += 1
         self.appended_bytes += new.size
         self.last_seq = seq
-        event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
+        event = Event(seq, kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
         return seq
 
     def _project(self, event: Event, current: CallState | None) -> None:
-        if affects_call(event.kind):
-            row = fold_call(current, event).to_row()
-            if current is None:
-                self._execute(self._sql.insert_call, row)
-            else:
-                row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
-                self._execute(self._sql.update_call, row)
+        kind = event.kind
+        if kind in RECORD_KINDS:  # the staging path: a calls row and a key, nothing else
+            self._project_call(event, current)
+            self._project_keys(event)
+            return
+        if affects_call(kind):
+            self._project_call(event, current)
+        self._project_keys(event)
+        if kind in ROLLOUT_KINDS:
+            self._project_rollout(event)
+        receipt = fold_receipt(event)
+        if receipt is not None:
+            (checkpoint_id, inventory_digest), seq = receipt
+            self._execute(
+                self._sql.insert_receipt,
+                {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
+            )
+        worker = worker_key(event)
+        if worker is not None:
+            self._project_worker(worker, event)
+
+    def _project_call(self, event: Event, current: CallState | None) -> None:
+        row = fold_call(current, event).to_row()
+        if current is None:
+            self._execute(self._sql.insert_call, row)
+        else:
+            row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
+            self._execute(self._sql.update_call, row)
+
+    def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
         for key in removed:
             self._execute(self._sql.delete_key, {"staging_key": key})
@@ -366,18 +388,6 @@ class WriteTransaction:
                     "digest": state.digest,
                 },
             )
-        if event.kind in ROLLOUT_KINDS:
-            self._project_rollout(event)
-        receipt = fold_receipt(event)
-        if receipt is not None:
-            (checkpoint_id, inventory_digest), seq = receipt
-            self._execute(
-                self._sql.insert_receipt,
-                {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
-            )
-        worker = worker_key(event)
-        if worker is not None:
-            self._project_worker(worker, event)
 
     def _project_worker(self, key: int, event: Event) -> None:
         """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""
@@ -456,12 +466,14 @@ class EventLog:
         self._durable = durable
         self._wal_path = wal_path  # SQLite: the -wal file a durable acknowledgement may have to sync
         self._statements = _Statements(engine)
+        self._pid = os.getpid()  # the events' writer_pid (a forked child sets its own)
         self._checkpointer = (
             None if backend.checkpoint_sql is None or read_only else Checkpointer(engine, backend.checkpoint_sql)
         )
         self._driver_errors = driver_errors(engine)
         self._closed = False
         self._recent_batches: collections.deque[int] = collections.deque([1], maxlen=RECENT_BATCHES)
+        self._expected = 1  # the largest of the recent batches: how many callers a batch waits for
         self._last_commit_seconds = 0.0  # how long the last batch's commit took (bounds the gathering)
         self._reset_state()
 
@@ -533,6 +545,7 @@ class EventLog:
             if other is not pending and not other.done and other not in self._queue:
                 self._settle_orphan(other)
         self._recent_batches.append(max(1, len(self._batch)))
+        self._expected = max(self._recent_batches)
         self._finished.notify_all()  # before the role is given back, so a repeat notifies again
         self._batch = []
         self._leader = None
@@ -554,7 +567,7 @@ class EventLog:
     def _gather(self) -> None:
         """Wait briefly (``GATHER_SECONDS``) for as many callers as recent batches had before
         the batch starts (called holding the lock); later ones join it while it runs."""
-        expected = max(self._recent_batches)
+        expected = self._expected
         if expected <= 1 or len(self._queue) >= expected:
             return
         deadline = time.monotonic() + GATHER_SECONDS
@@ -568,7 +581,7 @@ class EventLog:
         finally:
             self._gathering = False
 
-    def _take_arrivals(self, batch: list[_Pending[Any]], durable: bool, deadline: float) -> bool:
+    def _take_arrivals(self, batch: list[_Pending[Any]], durable: bool, began: float) -> bool:
         """Move callers that queued while the batch ran into it (its transaction is still open);
         while it is smaller than recent batches, wait for them until ``deadline``.
 
@@ -576,8 +589,12 @@ class EventLog:
         batch fills while it works.  A durable caller never joins a batch that commits without
         a sync; it leads or joins the next one.
         """
+        expected = self._expected
+        if expected <= 1 and not self._queue:  # one caller at a time: nothing to wait for
+            return False
+        # Up to one commit's time: callers released by the last commit are usually back by then.
+        deadline = began + min(GATHER_MAX_SECONDS, max(GATHER_SECONDS, self._last_commit_seconds))
         with self._lock:
-            expected = max(self._recent_batches)
             self._gathering = True
             try:
                 while not self._closed and len(batch) < MAX_BATCH:
@@ -633,11 +650,9 @@ class EventLog:
         connection = self._writer()
         mode_set = self._commit_mode == durable
         self._commit_mode = durable
-        # Up to one commit's time: callers released by the last commit are usually back by then.
-        window = min(GATHER_MAX_SECONDS, max(GATHER_SECONDS, self._last_commit_seconds))
-        deadline = time.monotonic() + window
+        began = time.monotonic()
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
-            transaction = WriteTransaction(cursor, self._statements)
+            transaction = WriteTransaction(cursor, self._statements, self._pid)
             index = 0
             while True:
                 while index < len(batch):
@@ -648,7 +663,7 @@ class EventLog:
                     if pending.error is not None and not isolate:
                         raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
                     index += 1
-                if isolate or not self._take_arrivals(batch, durable, deadline):
+                if isolate or not self._take_arrivals(batch, durable, began):
                     break  # a batch run again isolated keeps exactly its callers
             committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
@@ -757,6 +772,7 @@ class EventLog:
     def after_fork_in_child(self) -> None:
         """In a forked child: new locks and queue; the parent's connection is neither used nor closed."""
         self._reset_state()
+        self._pid = os.getpid()
         if self._checkpointer is not None:
             self._checkpointer.after_fork_in_child()
 
