@@ -17,6 +17,9 @@ Pairs (each ratio = store records/s over raw records/s in the same round):
   through raw sqlite3 on the store's schema, from one thread, no Python around them (the most this
   schema could reach);
 * ``small ...`` -- the 1-stager pair and floor again with 256-token records (per-record overhead);
+* ``..., taking turns per transaction`` -- for scale, the 1-stager pairs and floors again with the store,
+  the floor and raw sqlite3 alternating every transaction (each on its own fresh file), so all meet
+  the same disk;
 * latency (16 stagers): every ``stage()`` call's time against the median time raw sqlite3 takes
   to commit one 16-row batch of the same bytes, same round: median and p99 of the stage times;
 * ``--growth N``: ``store x1`` on a store already holding N staged records (filled once, before the
@@ -136,30 +139,42 @@ def floor_checksum(record: StagedCallRecord, body: bytes, ids: bytes, mask: byte
 def run_store_schema_floor(path: str, records: list[StagedCallRecord], rows: list[RawRow], batch: int = 1) -> float:
     """The store's per-record statements, ``batch`` records per commit, driven by raw sqlite3 from
     one thread (no store code, no threads: what a group-commit batch of that size could reach)."""
-    open_store(path).close()  # create and migrate the schema
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    connection.execute("PRAGMA synchronous = FULL")
+    connection = floor_connection(path)
     try:
         start = time.perf_counter()
-        for index, (record, (key, body, ids, mask, lps, checksum)) in enumerate(zip(records, rows, strict=True)):
-            stream = (record.rollout_id, record.model_call_id)
+        for index, (record, row) in enumerate(zip(records, rows, strict=True)):
             if index % batch == 0:
                 connection.execute("BEGIN IMMEDIATE")
-            lookup = {"rollout_id": stream[0], "model_call_id": stream[1], "staging_key": key}
-            connection.execute(STAGE_LOOKUP.sql, STAGE_LOOKUP.params(lookup)).fetchone()
-            seq = connection.execute(
-                "INSERT INTO events (rollout_id, model_call_id, stream_version, kind, staging_key, writer_pid, "
-                "recorded_at, body, token_ids, token_mask, log_probs, checksum) "
-                "VALUES (?, ?, 1, 'call_completed', ?, 1, 0.0, ?, ?, ?, ?, ?) RETURNING seq",
-                (*stream, key, body, ids, mask, lps, checksum),
-            ).fetchone()[0]
-            _insert_floor_projections(connection, record, stream, key, seq)
+            floor_statements(connection, record, row)
             if index % batch == batch - 1 or index == len(records) - 1:
                 connection.execute("COMMIT")
         elapsed = time.perf_counter() - start
     finally:
         connection.close()
     return elapsed
+
+
+def floor_connection(path: str) -> sqlite3.Connection:
+    """A new store file (schema created and migrated by the store), opened by raw sqlite3."""
+    open_store(path).close()
+    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    connection.execute("PRAGMA synchronous = FULL")
+    return connection
+
+
+def floor_statements(connection: sqlite3.Connection, record: StagedCallRecord, row: RawRow) -> None:
+    """One record's statements as the store runs them: its lookup, then the event, calls and key inserts."""
+    key, body, ids, mask, lps, checksum = row
+    stream = (record.rollout_id, record.model_call_id)
+    lookup = {"rollout_id": stream[0], "model_call_id": stream[1], "staging_key": key}
+    connection.execute(STAGE_LOOKUP.sql, STAGE_LOOKUP.params(lookup)).fetchone()
+    seq = connection.execute(
+        "INSERT INTO events (rollout_id, model_call_id, stream_version, kind, staging_key, writer_pid, "
+        "recorded_at, body, token_ids, token_mask, log_probs, checksum) "
+        "VALUES (?, ?, 1, 'call_completed', ?, 1, 0.0, ?, ?, ?, ?, ?) RETURNING seq",
+        (*stream, key, body, ids, mask, lps, checksum),
+    ).fetchone()[0]
+    _insert_floor_projections(connection, record, stream, key, seq)
 
 
 def _insert_floor_projections(
@@ -375,6 +390,44 @@ def fill_store(path: str, count: int, tokens: int, seed: int) -> None:
         os.close(descriptor)
 
 
+def run_interleaved(
+    folder: str, records: list[StagedCallRecord], rows: list[RawRow], flip: bool
+) -> tuple[float, float]:
+    """1 stager, its floor and raw 1/txn taking turns transaction by transaction (fresh files),
+    so all three meet the same moods of the disk.  Returns store and floor records/s over raw."""
+    paths = [os.path.join(folder, f"interleaved-{name}.db") for name in ("store", "floor", "raw")]
+    store = open_store(paths[0], durability="full")
+    floor = floor_connection(paths[1])
+    raw = raw_connection(paths[2])
+    clock = time.perf_counter
+    spent = [0.0, 0.0, 0.0]  # store, floor, raw
+    try:
+        for index, (record, row) in enumerate(zip(records, rows, strict=True)):
+            for turn in (0, 1, 2) if (index % 2 == 0) != flip else (2, 1, 0):
+                began = clock()
+                if turn == 0:
+                    if not store.stage(record).ok:
+                        raise AssertionError(f"store refused {record.staging_key}")
+                elif turn == 1:
+                    floor.execute("BEGIN IMMEDIATE")
+                    floor_statements(floor, record, row)
+                    floor.execute("COMMIT")
+                else:
+                    raw.execute("BEGIN IMMEDIATE")
+                    raw.execute(_INSERT, row)
+                    raw.execute("COMMIT")
+                spent[turn] += clock() - began
+    finally:
+        store.close()
+        floor.close()
+        raw.close()
+    for path in paths:
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.remove(path + suffix)
+    return spent[2] / spent[0], spent[2] / spent[1]
+
+
 def percentile(values: list[float], fraction: float) -> float:
     """The nearest-rank percentile (p99 of 512 calls: the 6th largest)."""
     ordered = sorted(values)
@@ -450,6 +503,7 @@ def main() -> int:
     ]
     elapsed: dict[str, list[float]] = {}
     fsyncs: list[float] = []
+    interleaved: dict[str, list[tuple[float, float]]] = {store1: [], small_store: []}
     with temp_dir(args.dir) as folder:
         if args.growth:
             grown_path = os.path.join(folder, "grown.db")
@@ -474,6 +528,8 @@ def main() -> int:
                     for suffix in ("", "-wal", "-shm"):
                         if os.path.exists(path + suffix):
                             os.remove(path + suffix)
+            interleaved[store1].append(run_interleaved(folder, one_records, one_rows, index % 2 == 1))
+            interleaved[small_store].append(run_interleaved(folder, small_records, small_rows, index % 2 == 1))
 
     def ratios(name: str, base: str) -> list[float]:
         """Per round: (name records/s) / (base records/s)."""
@@ -523,6 +579,9 @@ def main() -> int:
         add_ratio(f"{name} / {base}", ratios(name, base))
     if args.growth:
         add_ratio(f"{grown} / {empty}", ratios(grown, empty))
+    for name, floor, base in ((store1, floor1, raw1), (small_store, small_floor, small_raw)):
+        add_ratio(f"{name} / {base}, taking turns per transaction", [pair[0] for pair in interleaved[name]])
+        add_ratio(f"{floor} / {base}, taking turns per transaction", [pair[1] for pair in interleaved[name]])
     raw_batch = [statistics.median(times) for times in commits]
     add_ratio(
         f"{store_mid} stage() median / raw {THREADS}-row commit median",
