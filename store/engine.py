@@ -117,6 +117,19 @@ def checked_schema(schema: object) -> str | None:
     return schema
 
 
+def split_schema(url: URL, schema: str | None) -> tuple[URL, str | None]:
+    """The URL option ``?schema=NAME`` (so a CLI or a config string can name a schema), taken
+    out of the URL the driver sees; it must agree with ``open_store(..., schema=)`` if both are given."""
+    given = url.query.get("schema")
+    if given is None:
+        return url, schema
+    if not isinstance(given, str):
+        raise ConfigurationError(f"the URL names schema= {len(given)} times; name it once")
+    if schema is not None and schema != given:
+        raise ConfigurationError(f"the URL says schema={given!r} but schema={schema!r} was passed; name one")
+    return url.difference_update_query(["schema"]), given
+
+
 def resolve_url(url_or_path: str | os.PathLike[str]) -> URL:
     """A plain path means a SQLite file; anything with ``://`` is a SQLAlchemy URL."""
     text = _location_text(url_or_path)

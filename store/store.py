@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, TypeVar
 
 from store import arguments
-from store.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, wal_path
+from store.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, split_schema, wal_path
 from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError
 from store.events import (
     AdmissionBody,
@@ -72,7 +72,7 @@ class Store:
         schema: str | None = None,
         read_only: bool = False,
     ) -> None:
-        self._url = resolve_url(url_or_path)
+        self._url, schema = split_schema(resolve_url(url_or_path), schema)
         self._durability = durability
         self._schema = schema
         self._store_id: str | None = None
@@ -140,8 +140,10 @@ class Store:
 
     @property
     def url(self) -> str:
-        """The database URL (password hidden)."""
-        return self._url.render_as_string(hide_password=True)
+        """The database URL (password hidden), with ``?schema=`` when the store has one, so
+        ``open_store(store.url)`` opens the same store."""
+        url = self._url if self._schema is None else self._url.update_query_dict({"schema": self._schema})
+        return url.render_as_string(hide_password=True)
 
     @property
     def backend(self) -> str:

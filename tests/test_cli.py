@@ -843,3 +843,23 @@ def test_bad_usage_is_one_line_naming_the_help_and_exits_2(
     assert_one_line_error(err)
     assert f"(see '{named}')" in err
     assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_commands_reach_a_postgresql_schema_named_in_the_url(copy: Path, capsys: Any, request: Any) -> None:
+    """A schema is a URL option (``?schema=NAME``), so every command can use one."""
+    if os.environ.get("STORE_TEST_POSTGRES_URL") is None:
+        pytest.skip("STORE_TEST_POSTGRES_URL is not set")
+    from conftest import reset_postgres
+
+    database = request.getfixturevalue("postgres_run_url")
+    reset_postgres(database)
+    url = f"{database}?schema=fleet"
+    code, out, err = run(capsys, "migrate", url, "--json")
+    migrated = json.loads(out)
+    assert code == 0 and migrated["from_revision"] is None and migrated["store"].endswith("?schema=fleet"), err
+    code, out, err = run(capsys, "ship", str(copy), url, "--json")
+    assert code == 0 and json.loads(out)["appended"] == _events(capsys, str(copy)), err
+    code, out, _ = run(capsys, "rollouts", url, "--json")
+    assert [rollout["rollout_id"] for rollout in json.loads(out)["rollouts"]] == ["run1-r0", "run1-r1", "run1-r2"]
+    code, _, err = run(capsys, "rollouts", database, "--json")
+    assert code == 3 and "is not a store" in err, err  # the public schema holds no store

@@ -303,3 +303,26 @@ def _seqs_after(store_url: str, last: int) -> list[int]:
     with engine.connect() as connection:
         rows = connection.exec_driver_sql("SELECT seq FROM events WHERE seq > %(last)s ORDER BY seq", {"last": last})
         return [row[0] for row in rows]
+
+
+@needs_postgres
+def test_a_schema_named_in_the_url_is_the_same_store_as_the_schema_argument(pg_url: str) -> None:
+    """``?schema=NAME`` lets a command line or a config string name a schema."""
+    with open_store(pg_url, schema="fleet") as by_argument:
+        assert by_argument.stage(make_record()).ok
+        url = by_argument.url
+    assert url.endswith("?schema=fleet")
+    with open_store(f"{pg_url}?schema=fleet") as by_url, open_store(url, schema="fleet", read_only=True) as both:
+        assert by_url.store_id == both.store_id
+        assert [call.rollout_id for call in by_url.calls()] == ["rollout-1"]
+    with open_store(pg_url) as public:
+        assert public.calls() == []
+    with pytest.raises(ConfigurationError, match="schema='fleet' but schema='other'"):
+        open_store(f"{pg_url}?schema=fleet", schema="other")
+    with pytest.raises(ConfigurationError, match="name it once"):
+        open_store(f"{pg_url}?schema=a&schema=b")
+
+
+def test_a_schema_in_a_sqlite_url_is_refused(tmp_path: Any) -> None:
+    with pytest.raises(ConfigurationError, match="PostgreSQL feature"):
+        open_store(f"sqlite:///{tmp_path / 'store.db'}?schema=fleet")

@@ -396,11 +396,50 @@ def test_retain_keeps_exactly_the_retain_set_of_the_capture_keys_in_scope(store:
         store.fetch([old_cut])
     assert len(store.fetch([terminal.staging_key, kept_cut, other])) == 3
     assert store.retain([terminal.staging_key, kept_cut]).removed == []  # again: nothing to do
+    # r1's c1 has staged only a prefix (it is still decoding): its cut keys stay.
+    assert store.retain([], capture_keys=["r1"]).removed == []
+    finished = make_record(rollout_id="r1", model_call_id="c1")
+    store.stage(finished)
     # An explicit scope drops every key of a capture key the set does not name.
-    assert store.retain([], capture_keys=["r1"]).removed == [other]
+    assert store.retain([], capture_keys=["r1"]).removed == [other, finished.staging_key]
     assert store.replay().ok and store.audit().ok
     with writes_nothing(store), pytest.raises(InvalidRecordError):
         store.retain(["ok", 7])  # type: ignore[list-item]
+
+
+def test_retain_never_withdraws_the_cut_keys_of_a_call_still_decoding(store: Store) -> None:
+    """A retain set that leaves out a live call's chunks (computed before its latest cut) must
+    not withdraw them: the call's next receipt names them again, and they must still fetch."""
+    capture, _ = make_capture(store, 7)
+    root, prefix = stage_root(capture)
+    call = capture.begin_call(child_admission(root, prefix))
+    capture.track(call, prompt_token_ids=[*prefix, 20, 21], effective_output_limit=10)
+    ticket = GenerationCutPrefix(ticket_id="t1", rollout_id="r0", attempt_index=0, model_call_id="c1", admitted_at=1.0)
+
+    def cut(checkpoint_id: str) -> list[str]:
+        inventory = GenerationCutInventory.build(
+            checkpoint_id=checkpoint_id, server_name="policy", active_prefixes=[ticket]
+        )
+        (ack,) = capture.serve_generation_cut(inventory).prefixes
+        assert ack.cut_kind == "active_prefix"
+        return list(ack.staging_keys)
+
+    capture.observe(call, [30, 31], [-0.5, -0.75])
+    first = cut("ck1")
+    removal = store.retain([root.staging_key], capture_keys=["r0"])
+    assert removal.removed == []
+    capture.observe(call, [32], [-0.125])
+    second = cut("ck2")
+    assert set(first) <= set(second)
+    assert len(store.fetch_chunks(second)) == len(second)  # every acknowledged key still fetches
+    # Once the call has ended, what the retain set leaves out goes.
+    generated, logprobs = [30, 31, 32], [-0.5, -0.75, -0.125]
+    capture.complete_call(
+        call, prompt_token_ids=[*prefix, 20, 21], generated_token_ids=generated, generated_logprobs=logprobs
+    )
+    kept = [info.staging_key for info in store.staged_keys("r0") if not info.staging_key.startswith("__")]
+    assert set(store.retain(kept, capture_keys=["r0"]).removed) == set(second)
+    assert store.audit().ok
 
 
 def test_serving_a_cut_of_a_retired_capture_key_is_refused_and_stages_nothing(store: Store) -> None:

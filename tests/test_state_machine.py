@@ -495,16 +495,14 @@ class StoreMachine(RuleBasedStateMachine):
         owned = sorted(staging_key for staging_key, expected in self.acked.items() if expected.rollout_id == key)
         cuts = [staging_key for staging_key in owned if staging_key.startswith("__")]
         keep = [staging_key for staging_key in owned if not staging_key.startswith("__")]
-        # A call still decoding builds its next cut on its staged chunks: a commit's retain
-        # set always holds them (5.2), so only cut keys of calls that ended may go.
-        live = [k for k in cuts if (self.acked[k].rollout_id, self.acked[k].model_call_id) in self.live]
-        keep += live
-        cuts = [staging_key for staging_key in cuts if staging_key not in live]
         if cuts:
             keep += data.draw(st.lists(st.sampled_from(cuts), unique=True))
+        # A call still decoding builds its next cut on its staged chunks, so the store keeps
+        # them even when a retain set leaves them out; only cut keys of calls that ended go.
+        live = {k for k in cuts if (self.acked[k].rollout_id, self.acked[k].model_call_id) in self.live}
         removal = self.store.retain(keep, capture_keys=[key])
-        dropped = set(owned) - set(keep)
-        assert dropped <= set(removal.removed) and not set(removal.removed) & set(keep)
+        dropped = set(owned) - set(keep) - live
+        assert dropped <= set(removal.removed) and not set(removal.removed) & (set(keep) | live)
         assert removal.absent == []
         for staging_key in dropped:
             del self.acked[staging_key]

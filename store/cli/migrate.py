@@ -27,20 +27,20 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
     Only a store's own schema is touched: a database that holds other tables and no store
     schema, or a store newer than this library, is refused (exit 3) and left as it was.
     """
-    from store.engine import create_store_engine, resolve_url, stored_revision
+    from store.engine import create_store_engine, resolve_url, split_schema, stored_revision
     from store.errors import MigrationError, StorageError
     from store.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
     from store.store import open_store
 
     where = location(store)
-    url = resolve_url(where)
+    url, schema = split_schema(resolve_url(where), None)
     sqlite_path = url.database if url.get_backend_name() == "sqlite" else None
     if sqlite_path is not None and not os.path.exists(sqlite_path):
         if not create:
             raise exits.CommandError(f"no store at {sqlite_path}; pass --create to create a new store there")
         before = None
     else:
-        engine, _ = create_store_engine(url, "full", read_only=True)
+        engine, _ = create_store_engine(url, "full", schema, read_only=True)
         try:
             before = stored_revision(engine, url)
             empty = before is None and _is_empty(engine)

@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV = "STAGING_STORE"
-STORE_HELP = f"STORE is a SQLite path or a postgresql:// URL; when omitted, ${ENV} is used."
+STORE_HELP = (
+    "STORE is a SQLite path or a postgresql:// URL (?schema=NAME for a store in a schema); "
+    f"when omitted, ${ENV} is used."
+)
 
 
 def store_argument(function: F) -> F:

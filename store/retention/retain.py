@@ -6,6 +6,11 @@ capture keys in scope is withdrawn with a ``keys_cleared`` event (reason ``reten
 per call, even on a retired capture key (a fence stops the dead attempt, not the framework's
 own cleanup).  The records stay in the log, so lineage audits and continuations still read
 them; ``Store.delete`` is what gives space back.
+
+The cut keys of a call still decoding on a live capture key are never withdrawn: its next
+cut's receipt names them again (its durable prefix is built on them), so withdrawing them
+would acknowledge keys that no longer fetch.  A retain set computed before that call's
+latest cut is a race, not the framework's intent.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from store import schema
 from store.engine import Statement
 from store.events import RECORD_KINDS, EventKind, KeysClearedBody
 from store.log import NewEvent, WriteTransaction
+from store.projections import TERMINAL_STATES
 from store.records import RolloutRemoval
 
 RETENTION_REASON = "retention"
@@ -36,6 +42,11 @@ class RetainStatements:
 
 
 _RECORD_KIND_VALUES = frozenset(kind.value for kind in RECORD_KINDS)
+
+
+def _still_decoding(tx: WriteTransaction, rollout_id: str, model_call_id: str) -> bool:
+    call = tx.call(rollout_id, model_call_id)
+    return call is not None and call.state not in TERMINAL_STATES
 
 
 def retain(
@@ -57,6 +68,8 @@ def retain(
             scope.append(state.rollout_id)
     removed: list[str] = []
     for rollout_id in scope:
+        fence = tx.rollout(rollout_id)
+        retired = fence is not None and fence.fenced
         by_call: dict[str, list[str]] = {}
         for call_id, staging_key, kind in tx.run(sql.record_keys, {"rollout_id": rollout_id}).fetchall():
             if kind not in _RECORD_KIND_VALUES or staging_key in kept:
@@ -67,7 +80,7 @@ def retain(
             if owned and staging_key not in calls_keys:
                 calls_keys.append(staging_key)
         for call_id, keys in by_call.items():
-            if keys:
+            if keys and (retired or not _still_decoding(tx, rollout_id, call_id)):
                 body = KeysClearedBody(staging_keys=keys, reason=RETENTION_REASON)
                 tx.append(NewEvent(EventKind.KEYS_CLEARED, rollout_id, call_id, body, past_fence=True))
                 removed += keys
