@@ -684,11 +684,15 @@ class EventLog:
         # Pages the commit wrote, about: the events' stored bytes and a few projection pages.
         checkpointer.committed(appended_bytes + COMMIT_PAGES * PAGE_BYTES)
         if checkpointer.due_in_line() and self._backend.checkpoint_sql is not None:
-            cursor = connection.cursor()
+            # After the commit: a failing checkpoint must not fail callers whose batch committed.
             try:
-                cursor.execute(self._backend.checkpoint_sql).fetchall()
-            finally:
-                cursor.close()
+                cursor = connection.cursor()
+                try:
+                    cursor.execute(self._backend.checkpoint_sql).fetchall()
+                finally:
+                    cursor.close()
+            except self._driver_errors:
+                return  # the next commit tries again
             checkpointer.checkpointed_in_line()
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:

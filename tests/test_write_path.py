@@ -4,6 +4,7 @@ WAL's size after a long reader, and a durable acknowledgement of a record writte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -547,6 +548,20 @@ def test_the_writer_does_not_checkpoint_and_the_wal_stays_bounded(
     assert not any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())  # stopped
     with sqlite3.connect(path) as connection:  # what the pool's next user gets back: SQLite's default
         assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+
+
+def test_a_failing_checkpoint_after_a_commit_does_not_fail_the_committed_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with open_store(tmp_path / "failing-checkpoint.db") as opened:
+        log = opened._log
+        assert log._checkpointer is not None
+        broken = dataclasses.replace(log._backend, checkpoint_sql="PRAGMA wal_checkpoint(NO_SUCH_MODE")
+        monkeypatch.setattr(log, "_backend", broken)
+        monkeypatch.setattr(log._checkpointer, "due_in_line", lambda: True)
+        record = make_record(model_call_id="committed")
+        assert opened.stage(record).ok  # the checkpoint after its commit failed: ignored, tried again later
+        assert opened.fetch([record.staging_key])[0].digest == record.digest
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
