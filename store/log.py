@@ -532,6 +532,8 @@ class EventLog:
 
     def _leave(self, pending: _Pending[Any]) -> None:
         """Every path out of ``write``: give back the writer role, and settle a batch left unwritten."""
+        if pending.done and self._leader is not pending:
+            return  # a follower whose batch was written holds nothing (only its own thread leads it)
         with self._lock:
             self._leave_locked(pending)
 
