@@ -423,12 +423,16 @@ class _FailedCaller(Exception):
 
 
 class _Pending(Generic[T]):
-    __slots__ = ("done", "durable", "error", "result", "work")
+    __slots__ = ("done", "durable", "error", "result", "wake", "work")
 
     def __init__(self, work: Callable[[WriteTransaction], T], durable: bool) -> None:
         self.work = work
         self.durable = durable
         self.done = False
+        # Set (holding the log's lock) when the caller should look again: its batch was written,
+        # or the writer role is free and it is first in the queue.  Each waiting caller has its
+        # own, so a commit wakes exactly its callers, none of them contending for the log's lock.
+        self.wake = threading.Event()
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -482,7 +486,7 @@ class EventLog:
         # An RLock: if an interrupt inside Condition.wait leaves it released, the ``with`` that
         # then releases it again fails instead of releasing another thread's hold.
         self._lock = threading.RLock()
-        self._finished = threading.Condition(self._lock)  # followers wait for their batch
+        self._finished = threading.Condition(self._lock)  # close() waits for the writer role to be free
         self._arrived = threading.Condition(self._lock)  # a gathering leader waits for callers
         self._queue: list[_Pending[Any]] = []
         self._leader: _Pending[Any] | None = None  # the pending whose thread holds the writer role
@@ -521,14 +525,27 @@ class EventLog:
             self._queue.append(pending)
             if self._gathering:
                 self._arrived.notify()
-            while self._leader is not None and not pending.done:
-                self._finished.wait()
-            if pending.done:
+            if self._settled_or_leading(pending):
                 return
-            self._leader = pending  # one assignment: from here on _leave gives the role back
-            self._batch_started = False
-            self._gather()
-            self._batch, self._queue = self._queue, []
+        while True:
+            pending.wake.wait()
+            with self._lock:
+                if self._settled_or_leading(pending):
+                    return
+
+    def _settled_or_leading(self, pending: _Pending[Any]) -> bool:
+        """(Holding the lock.)  True once another leader wrote ``pending``, or when it takes the
+        free writer role with a batch; else False, its ``wake`` cleared for waiting again."""
+        if pending.done:
+            return True
+        if self._leader is not None:
+            pending.wake.clear()  # every set happens under the lock: none is lost before the wait
+            return False
+        self._leader = pending  # one assignment: from here on _leave gives the role back
+        self._batch_started = False
+        self._gather()
+        self._batch, self._queue = self._queue, []
+        return True
 
     def _leave(self, pending: _Pending[Any]) -> None:
         """Every path out of ``write``: give back the writer role, and settle a batch left unwritten."""
@@ -541,16 +558,20 @@ class EventLog:
         """``_leave``'s steps; each can be repeated after an interrupt."""
         if not pending.done and pending in self._queue:
             self._queue.remove(pending)  # interrupted while waiting or gathering: its work never runs
-        if self._leader is not pending:
-            return
-        for other in self._batch:
-            if other is not pending and not other.done and other not in self._queue:
-                self._settle_orphan(other)
-        self._recent_batches.append(max(1, len(self._batch)))
-        self._expected = max(self._recent_batches)
-        self._finished.notify_all()  # before the role is given back, so a repeat notifies again
-        self._batch = []
-        self._leader = None
+        if self._leader is pending:
+            for other in self._batch:
+                if other is not pending and not other.done and other not in self._queue:
+                    self._settle_orphan(other)
+            self._recent_batches.append(max(1, len(self._batch)))
+            self._expected = max(self._recent_batches)
+            for other in self._batch:
+                if other.done:
+                    other.wake.set()
+            self._finished.notify_all()  # close() waits for the role (before it is given back: a repeat notifies again)
+            self._batch = []
+            self._leader = None
+        if self._leader is None and self._queue:
+            self._queue[0].wake.set()  # the role is free: the first waiting caller takes it
 
     def _settle_orphan(self, pending: _Pending[Any]) -> None:
         """A follower whose leader was interrupted (called holding the lock)."""
@@ -690,12 +711,15 @@ class EventLog:
             try:
                 cursor = connection.cursor()
                 try:
-                    cursor.execute(self._backend.checkpoint_sql).fetchall()
+                    row = cursor.execute(self._backend.checkpoint_sql).fetchone()
                 finally:
                     cursor.close()
             except self._driver_errors:
                 return  # the next commit tries again
-            checkpointer.checkpointed_in_line()
+            # (busy, frames in the -wal, frames copied): the thread still at work, or a reader's
+            # snapshot, can leave frames behind; the next commit tries again.
+            if row is None or row[2] >= row[1]:
+                checkpointer.checkpointed_in_line()
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
         if savepoint is not None:
@@ -790,6 +814,7 @@ class EventLog:
                 if pending is not self._leader:
                     pending.error = StoreClosedError("this store was closed before the write began")
                     pending.done = True
+                    pending.wake.set()
             self._queue = [pending for pending in self._queue if pending is self._leader]
             self._finished.notify_all()
             while self._leader is not None:

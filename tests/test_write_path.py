@@ -540,9 +540,10 @@ def test_the_writer_does_not_checkpoint_and_the_wal_stays_bounded(
         writer = opened._log._connection
         assert writer.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # commits never checkpoint
         assert any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())
-        # 200 records are over 3 MiB of -wal without a checkpoint; the in-line fallback alone
-        # (16 requests' worth) would keep it near 1 MiB.
-        assert Path(f"{path}-wal").stat().st_size < 2 * checkpointer_module.BEHIND_REQUESTS * every
+        # Without checkpoints the -wal would hold all 200 records (over 6 MiB); the writer's own
+        # fallback past 16 requests' worth keeps it near 1 MiB (more only while the thread's
+        # checkpoints keep the writer's from finishing).
+        assert Path(f"{path}-wal").stat().st_size < 4 * 1024 * 1024
         assert [s.digest for s in opened.fetch([r.staging_key for r in records])] == [r.digest for r in records]
         assert opened.replay().ok
     assert not any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())  # stopped
