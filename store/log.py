@@ -606,7 +606,8 @@ class EventLog:
 
     def _take_arrivals(self, batch: list[_Pending[Any]], durable: bool, began: float) -> bool:
         """Move callers that queued while the batch ran into it (its transaction is still open);
-        while it is smaller than recent batches, wait for them until ``deadline``.
+        while it is smaller than recent batches, wait for them up to one commit's time from
+        ``began`` (bounded by ``GATHER_SECONDS`` and ``GATHER_MAX_SECONDS``).
 
         The gathering overlaps the batch's own statements, so a leader starts at once and the
         batch fills while it works.  A durable caller never joins a batch that commits without
