@@ -18,6 +18,7 @@ from store.errors import CorruptRecordError
 from store.events import RECORD_KINDS, WORKER_KINDS, EventKind
 from store.integrity import undecodable_text, verified_event
 from store.projections import (
+    CALL_ROW_COLUMNS,
     ROLLOUT_KINDS,
     CallState,
     Event,
@@ -261,10 +262,10 @@ class Folded:
                 (key,): (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
                 for key, state in keys.items()
             }
-        ordered = operator.itemgetter(*_column_names(table))
         if name == "calls":
             calls, self.calls = self.calls, {}
-            return {stream: ordered(state.to_row()) for stream, state in calls.items()}
+            return {stream: state.row_values() for stream, state in calls.items()}
+        ordered = operator.itemgetter(*_column_names(table))
         if name == "cut_receipts":
             return {ident: ordered(receipt_row(ident, seq)) for ident, seq in self.receipts.items()}
         if name == "rollouts":
@@ -273,8 +274,9 @@ class Folded:
         return {(key,): ordered(state.to_row()) for key, state in self.workers.items()}
 
 
-# staged_keys rows are built field by field above: the table's columns must be that order.
+# staged_keys and calls rows are built as tuples above: the tables' columns must be in that order.
 assert [column.name for column in schema.staged_keys.c] == ["staging_key", *KeyState.__dataclass_fields__]
+assert tuple(column.name for column in schema.calls.c) == CALL_ROW_COLUMNS
 
 
 def key_row(key: str, state: KeyState) -> dict[str, Any]:
