@@ -365,7 +365,7 @@ def decode_mask(data: bytes) -> FloatColumn:
             column._carry = carry  # built as carry times +0.0 then +1.0: its carry is known
         return column
     if tag == _MASK_RAW:
-        return FloatColumn.from_f32(np.frombuffer(data, dtype=">f4", offset=1))  # a view: no copy of the column
+        return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
     raise ValueError(f"unknown mask column tag {tag!r}")
 
 
@@ -379,7 +379,7 @@ def encode_floats(values: FloatColumn) -> bytes:
 def decode_floats(data: bytes) -> FloatColumn:
     if data[:1] != _F32_RAW:
         raise ValueError(f"unknown float column tag {data[:1]!r}")
-    return FloatColumn.from_f32(np.frombuffer(data, dtype=">f4", offset=1))  # a view: no copy of the column
+    return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
 
 
 # The events columns an event's checksum covers, in checksum order: everything but ``seq``

@@ -132,7 +132,7 @@ def test_run_masks_of_one_shape_decode_alike_and_cannot_be_changed(carry: int, t
 
 
 def test_stored_log_probs_and_raw_masks_decode_to_their_binary32_values() -> None:
-    """Decoding views the stored bytes after their tag (no copy): the values are the encoded ones."""
+    """Stored log-probs and raw masks decode to exactly the binary32 values encoded, read-only."""
     values = [0.0, -0.5, -1e-30, -3.25]
     assert decode_floats(encode_floats(FloatColumn.coerce(values, "lp"))).tolist() == [
         float(np.float32(v)) for v in values
