@@ -18,6 +18,15 @@
   < 20 MB peak RSS.
 
     .venv/bin/python tools/bench_linearize.py [--quick] [--json] [--rounds R]
+
+A linearize makes about 1 MB of fresh columns (decoded ids, the row's three columns) and frees
+them; whether glibc hands the freed heap top back to the system, so the next call faults them
+in again (~190 page faults, about a third of a call), depends on the heap's layout, which moves
+with incidental allocations of the process.  The page faults per linearize are reported.  To
+see linearize's own cost without that effect, run with the heap top kept (evidence only: the
+target is judged on a default run):
+
+    MALLOC_TOP_PAD_=67108864 .venv/bin/python tools/bench_linearize.py
 """
 
 from __future__ import annotations
@@ -338,6 +347,8 @@ def main() -> None:
     block = 3 if args.quick else 7
     small = 30 if args.quick else 200
     report = Report("bench_linearize", {"calls": CALLS, "tokens": TOKENS, "rounds": rounds, "block": block})
+    if os.environ.get("MALLOC_TOP_PAD_"):
+        report.notes.append(f"MALLOC_TOP_PAD_={os.environ['MALLOC_TOP_PAD_']}: the heap top is kept between calls")
     with temp_dir(args.dir) as folder:
         bench_linearize(report, folder, rounds, block)
         bench_export_memory(report, folder, small)
