@@ -9,7 +9,6 @@ arrays, so a record built locally is never re-encoded when it is staged.
 from __future__ import annotations
 
 import array
-import functools
 import operator
 import struct
 import sys
@@ -341,25 +340,12 @@ def encode_mask(mask: FloatColumn) -> bytes:
     return stored
 
 
-@functools.lru_cache(maxsize=64)
-def _run_mask(carry: int, total: int) -> np.ndarray:
-    """The binary32 patterns of a run mask, shared read-only: most records of a store share a
-    few shapes, and every pass over records decoded a fresh copy of the same bytes."""
-    return _readonly(np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4"))
-
-
-_RUN_MASK_CACHED = 1 << 16  # longer masks are built each time (the cache stays a few MB)
-
-
 def decode_mask(data: bytes) -> FloatColumn:
     tag = data[:1]
     if tag == _MASK_RUN:
         carry = int.from_bytes(data[1:9], "big")
         total = int.from_bytes(data[9:17], "big")
-        if 0 <= carry <= total <= _RUN_MASK_CACHED:
-            f32 = _run_mask(carry, total)
-        else:
-            f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4")
+        f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4")
         column = FloatColumn.from_f32(f32)
         if carry <= total:
             column._carry = carry  # built as carry times +0.0 then +1.0: its carry is known

@@ -118,8 +118,8 @@ def test_a_record_built_from_components_carries_its_stored_form() -> None:
 
 @pytest.mark.parametrize("carry, total", [(0, 3), (2, 5), (5, 5), (3, 70_000)])
 def test_run_masks_of_one_shape_decode_alike_and_cannot_be_changed(carry: int, total: int) -> None:
-    """Decoded run masks of a common shape share one array: it must be read-only, and every
-    decode must give exactly the column that was encoded (longer masks are built each time)."""
+    """Every decode of a run mask gives exactly the column that was encoded, read-only
+    (a shared or cached pattern could never be changed through one of its columns)."""
     stored = encode_mask(FloatColumn.coerce([0.0] * carry + [1.0] * (total - carry), "mask"))
     first, second = decode_mask(stored), decode_mask(stored)
     for column in (first, second):
