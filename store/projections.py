@@ -279,9 +279,19 @@ _new_object = object.__new__
 _BLANK_CALL = CallState("", "", 0, "admitted")
 
 
+def _new_call(rollout_id: str, model_call_id: str) -> CallState:
+    """A call's row before its first event (``_moved`` of the blank row, without the keywords)."""
+    moved = _new_object(CallState)
+    fields = moved.__dict__
+    fields.update(_BLANK_CALL.__dict__)
+    fields["rollout_id"] = rollout_id
+    fields["model_call_id"] = model_call_id
+    return moved
+
+
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
-    base = current or _moved(_BLANK_CALL, rollout_id=event.rollout_id, model_call_id=event.model_call_id)
+    base = current if current is not None else _new_call(event.rollout_id, event.model_call_id)
     version, seq = event.stream_version, event.seq
     body = event.body
     if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:
@@ -345,6 +355,9 @@ def _live(current: str, new: str) -> str:
 
 
 def _generated(spans: Any) -> int:
+    if len(spans) == 1:  # the common case: one version generated the whole delta
+        start, end, _ = spans[0]
+        return end - start  # type: ignore[no-any-return]
     return sum(end - start for start, end, _ in spans)
 
 
@@ -411,6 +424,9 @@ def fold_worker(current: WorkerState | None, event: Event) -> WorkerState:
 
 def merge_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
     """Join adjacent spans of the same version."""
+    if len(spans) == 1:  # the common case: nothing to join
+        start, end, version = spans[0]
+        return ((start, end, version),)
     merged: list[Span] = []
     for start, end, version in spans:
         if merged and merged[-1][1] == start and merged[-1][2] == version:
