@@ -178,6 +178,13 @@ def plain_rows(connection: sa.Connection, statement: sa.Select[Any], params: Map
         cursor.close()
 
 
+# One call's projection row (``begin_call`` checks it for every admission).
+_ONE_CALL = sa.select(*schema.calls.c).where(
+    schema.calls.c.rollout_id == sa.bindparam("rollout_id"),
+    schema.calls.c.model_call_id == sa.bindparam("model_call_id"),
+)
+
+
 # The keyed read on SQLite, with one placeholder per key (the statement's expanding IN).
 _KEYED_NAMES = tuple(_KEYED_EVENTS.selected_columns.keys())
 _SQLITE_KEYED = (
@@ -262,11 +269,10 @@ class Reader:
         return [chunks[key] for key in keys]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
-        calls = schema.calls
-        query = sa.select(*calls.c).where(calls.c.rollout_id == rollout_id, calls.c.model_call_id == model_call_id)
+        params = {"rollout_id": rollout_id, "model_call_id": model_call_id}
         with self.connection("reading a call") as connection:
-            row = connection.execute(query).first()
-        return None if row is None else CallInfo.from_state(CallState.from_row(row))
+            rows = plain_rows(connection, _ONE_CALL, params)
+        return CallInfo.from_state(CallState.from_row(rows[0])) if rows else None
 
     def calls(self, rollout_id: str | None = None) -> list[CallInfo]:
         calls = schema.calls
