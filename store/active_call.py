@@ -7,6 +7,7 @@ needs the other: ``capture`` -> ``cuts`` -> ``active_call``.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -91,9 +92,12 @@ class ActiveCall:
             return self.weight_version
         return min(self.generation_cut.weight_version, self.weight_version)
 
-    @property
+    @functools.cached_property
     def continuation(self) -> Continuation | None:
-        """For a call that continues a restored cut: its engine prompt and remaining budget."""
+        """For a call that continues a restored cut: its engine prompt and remaining budget.
+
+        Built on first use and kept (it joins and selects over the whole restored prefix).
+        """
         cut, continuation = self.generation_cut, self.admission.generation_cut
         if cut is None or continuation is None:
             return None

@@ -12,9 +12,11 @@ import array
 import operator
 import struct
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -29,6 +31,19 @@ _U64_BE = np.dtype(">u8")
 _ONE_BITS = np.array([1.0], dtype=_F32_BE).view(np.uint32)[0]
 _ABS_BITS = ~np.array([-0.0], dtype=_F32_BE).view(np.uint32)[0]  # clears the sign bit
 _FLOAT_ARRAY_CODES = frozenset("fd")
+# The smallest magnitude binary64 value that rounds to infinity in binary32 (halfway past its max).
+_F32_OVERFLOW = 2.0**128 - 2.0**103
+_F32_OVERFLOW_SQUARED = _F32_OVERFLOW * _F32_OVERFLOW  # about 1.16e77: finite in binary64
+_DOT_SLICE = 8_192  # values per BLAS dot (OpenBLAS goes multi-threaded above 10,000)
+_EXACT_CHECK_MIN = 16_384  # values: from this length a column checks whether binary32 holds it exactly
+# msgpack writes every exact float as 0xcb then its big-endian binary64 bits: 9 bytes a value.
+_MSGPACK_ENCODE_INTO = msgspec.msgpack.Encoder().encode_into
+_SCRATCH = threading.local()  # .buffer: this thread's msgpack scratch bytearray
+_SCRATCH_KEEP = 1 << 20  # bytes (~116,000 floats): a larger scratch buffer is not kept per thread
+_MSGPACK_F64 = np.dtype([("tag", "u1"), ("value", ">f8")])
+_MSGPACK_F64_TAG = 0xCB
+# What encoding a list of a hostile or foreign element raises (the slow path then names it).
+_LIST_ERRORS = (TypeError, ValueError, OverflowError, RecursionError)
 
 
 def _readonly(values: np.ndarray) -> np.ndarray:
@@ -58,6 +73,11 @@ class TokenIds(Sequence[int]):
             raise DigestValueError(f"{name} must be a sequence of ints, got {type(ids).__name__}")
         if not ids:
             return cls(np.empty(0, dtype=np.uint64))
+        if type(ids) is list or type(ids) is tuple:  # a subclass may override what the C paths read
+            packed = _ids_from_list(ids)
+            if packed is not None:
+                return cls(packed)
+        # The slow path: names what is wrong (or converts an unusual sequence exactly).
         kinds = set(map(type, ids))
         if kinds != {int}:
             bad = sorted(k.__name__ for k in kinds if k is not int)
@@ -123,6 +143,57 @@ def _big_endian_u64(values: np.ndarray) -> np.ndarray:
     return values.astype(_U64_BE)
 
 
+def _msgpack_scratch(values: list[Any] | tuple[Any, ...]) -> bytearray | None:
+    """``values`` msgpack-encoded into this thread's scratch buffer; None when they cannot be.
+
+    Reusing one buffer per thread spares a fresh allocation (and its page faults) per column.
+    """
+    buffer: bytearray | None = getattr(_SCRATCH, "buffer", None)
+    if buffer is None:
+        buffer = _SCRATCH.buffer = bytearray()
+    try:
+        try:
+            _MSGPACK_ENCODE_INTO(values, buffer)
+        except BufferError:  # a view of an earlier call's buffer is still alive (say, in a traceback)
+            buffer = _SCRATCH.buffer = bytearray()
+            _MSGPACK_ENCODE_INTO(values, buffer)
+    except _LIST_ERRORS:
+        return None
+    return buffer
+
+
+def _release_scratch(buffer: bytearray) -> None:
+    if len(buffer) > _SCRATCH_KEEP:
+        _SCRATCH.buffer = None  # a very long column's buffer is not kept
+
+
+def _ids_from_list(ids: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """Exact ints in [0, 2**64-1] as a big-endian array, in C passes; None: let the slow path judge.
+
+    ``array('Q')`` converts at CPython's speed and refuses floats, text, negative and too
+    large values, but takes a bool as 0 or 1 and any object with ``__index__``.  msgpack
+    encoding refuses those objects (numpy scalars, int subclasses; an ``IntEnum`` member is
+    its value), and a bool can only hide where the array holds 0 or 1: those positions alone
+    are checked one by one.
+    """
+    scratch = _msgpack_scratch(ids)
+    if scratch is None:
+        return None
+    _release_scratch(scratch)
+    try:
+        packed = array.array("Q", ids)
+    except _LIST_ERRORS:
+        return None
+    native = np.frombuffer(packed, dtype=np.uint64)
+    suspects = np.flatnonzero(native <= 1)
+    if suspects.size and any(type(ids[i]) is bool for i in suspects.tolist()):
+        return None
+    del native
+    if _LITTLE:
+        packed.byteswap()  # in place: the array becomes the big-endian column, no copy
+    return np.frombuffer(packed, dtype=_U64_BE)
+
+
 def _ids_from_buffer(ids: np.ndarray | array.array[int], name: str) -> np.ndarray:
     if isinstance(ids, array.array):
         if ids.typecode not in _INT_ARRAY_CODES:
@@ -134,19 +205,78 @@ def _ids_from_buffer(ids: np.ndarray | array.array[int], name: str) -> np.ndarra
         raise DigestValueError(f"{name} must be a 1-d integer array, got {values.dtype} x{values.ndim}d")
     if values.dtype.kind == "i" and values.size and int(values.min()) < 0:
         raise DigestValueError(f"{name} must lie in [0, 2**64-1]; found a negative id")
-    return values.astype(np.uint64, copy=True)
+    return values.astype(_U64_BE)  # one converting copy, already in the byte order digests hash
+
+
+def _floats_from_list(values: list[Any] | tuple[Any, ...]) -> tuple[np.ndarray, bytearray] | None:
+    """Exact floats as a (strided, big-endian) binary64 view of one msgpack encoding, and its buffer.
+
+    None: let the slow path judge.  Every exact float encodes as nine bytes, tag 0xcb first;
+    anything else (an int, a bool, None, text) encodes otherwise, and numpy scalars and float
+    subclasses do not encode at all.  So the first non-float lands on a checked tag
+    position.  (A float-valued ``Enum`` member encodes as its value and counts as it.)
+    The view must be dropped before the thread encodes again.
+    """
+    count = len(values)
+    scratch = _msgpack_scratch(values)
+    if scratch is None:
+        return None
+    header = 1 if count < 16 else 3 if count < 2**16 else 5  # msgpack's array header
+    if len(scratch) != header + 9 * count:
+        return None
+    tagged = np.frombuffer(scratch, dtype=_MSGPACK_F64, offset=header)
+    if not (tagged["tag"] == _MSGPACK_F64_TAG).all():
+        return None
+    return tagged["value"], scratch
+
+
+def _squares_below(values: np.ndarray, bound: float) -> bool:
+    """Whether each slice's sum of squares (one BLAS dot) is below ``bound``, so every square is.
+
+    Slices stay below the length from which OpenBLAS hands a dot to extra threads, whose
+    spinning afterwards would cost the process far more CPU than it saves.
+    """
+    with np.errstate(over="ignore"):  # a square past binary64's range is inf, and fails the test
+        for start in range(0, len(values), _DOT_SLICE):
+            part = values[start : start + _DOT_SLICE]
+            if not float(np.dot(part, part)) < bound:
+                return False
+    return True
+
+
+def _joined_carry(parts: Sequence[FloatColumn]) -> int | None:
+    """The carry of binary32 parts joined, from their known carries (-1: some part's is not known).
+
+    Joined, they are k times +0.0 then only +1.0 when every part is: zeros first, at most one
+    part mixing both, then parts without zeros.
+    """
+    total, ones = 0, False
+    for part in parts:
+        carry = part._carry
+        if carry is None:
+            return None
+        if carry == -1:
+            return -1
+        if ones and carry:
+            return None
+        total += carry
+        ones = ones or carry < len(part)
+    return total
 
 
 class FloatColumn(Sequence[float]):
     """An immutable column of finite floats hashed as IEEE-754 binary32 (wire-contract 2.5)."""
 
-    __slots__ = ("_carry", "_f32", "_stored_floats", "_stored_mask", "_values")
+    __slots__ = ("_carry", "_f32", "_from_storage", "_stored_floats", "_stored_mask", "_values")
 
     def __init__(self, values: np.ndarray | None, f32: np.ndarray) -> None:
         # Trusted: ``values`` are finite float64 (None: the binary32 values widened, made on
         # first use), ``f32`` their binary32 rounding.  numpy operations return native byte
         # order, so normalise to big-endian here.
         self._values = None if values is None else _readonly(values)
+        # Read back from storage: judged on its binary32 patterns (see ``stored_carry``).  A
+        # column given values binary32 holds exactly keeps no float64 copy, yet is not this.
+        self._from_storage = values is None
         self._f32 = _readonly(f32 if f32.dtype == _F32_BE else f32.astype(_F32_BE))
         self._carry: int | None = -1  # -1: not computed yet (see carry_count)
         # encode_mask's and encode_floats' results, kept: a column is encoded once.
@@ -161,30 +291,63 @@ class FloatColumn(Sequence[float]):
         if isinstance(values, array.array):
             if values.typecode not in _FLOAT_ARRAY_CODES:
                 raise DigestValueError(f"{name} must be floats, got array typecode {values.typecode!r}")
-            f64 = np.frombuffer(values, dtype=np.dtype(values.typecode)).astype(np.float64)
+            given = np.frombuffer(values, dtype=np.dtype(values.typecode))
         elif isinstance(values, np.ndarray):
             if values.ndim != 1 or values.dtype.kind != "f":
                 raise DigestValueError(f"{name} must be a 1-d float array, got {values.dtype}")
-            f64 = values.astype(np.float64, copy=True)
+            given = values
         elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise DigestValueError(f"{name} must be a sequence of floats, got {type(values).__name__}")
         elif not values:
-            f64 = np.empty(0, dtype=np.float64)
+            given = np.empty(0, dtype=np.float64)
         else:
+            encoded = None
+            if type(values) is list or type(values) is tuple:  # a subclass may override what C reads
+                encoded = _floats_from_list(values)
+            if encoded is not None:
+                view, scratch = encoded
+                try:
+                    given = view.astype(np.float64)  # native and contiguous: the column keeps it
+                finally:
+                    del view, encoded  # the scratch buffer is free again
+                    _release_scratch(scratch)
+                return cls._from_given(given, name, owned=True)
             kinds = set(map(type, values))
             if kinds != {float}:
                 bad = sorted(k.__name__ for k in kinds if k is not float)
                 raise DigestValueError(
                     f"{name} must be exact floats (ints and bools are refused); found {', '.join(bad)}"
                 )
-            f64 = np.array(values, dtype=np.float64)
-        if not np.isfinite(f64).all():
-            raise DigestValueError(f"{name} must be finite (NaN and infinity are refused)")
-        with np.errstate(over="ignore"):
-            f32 = f64.astype(">f4")
-        if np.isinf(f32).any():
-            raise DigestValueError(f"{name} holds a value too large for binary32")
-        return cls(f64, f32)
+            return cls._from_given(np.array(values, dtype=np.float64), name, owned=True)
+        return cls._from_given(given, name)
+
+    @classmethod
+    def _from_given(cls, given: np.ndarray, name: str, *, owned: bool = False) -> FloatColumn:
+        """Check and pack float values; ``owned``: ``given`` is a fresh native copy the column may keep.
+
+        Otherwise ``given`` may change later (the caller's buffer, a scratch buffer), so the
+        column copies what it keeps.
+        """
+        # Finite and within binary32's range, in one BLAS pass: every term of the sum of
+        # squares is non-negative, so the rounded sum is at least each rounded square, and a
+        # sum below the overflow bound squared bounds every value (NaN and inf fail the test).
+        # Otherwise (rare) min and max decide exactly.
+        if given.size and not _squares_below(given, _F32_OVERFLOW_SQUARED):
+            if not np.isfinite(given).all():
+                raise DigestValueError(f"{name} must be finite (NaN and infinity are refused)")
+            if not (given.min() > -_F32_OVERFLOW and given.max() < _F32_OVERFLOW):
+                raise DigestValueError(f"{name} holds a value too large for binary32")
+        f32 = given.astype(_F32_BE)
+        if owned:
+            return cls(given, f32)
+        # A long column binary32 holds exactly (every valid mask; an engine's float32
+        # log-probs) keeps no float64 copy: widening gives its values back as given, and the
+        # copy's fresh pages cost more than the check.  Short columns are simply copied.
+        if given.size >= _EXACT_CHECK_MIN and bool((f32 == given).all()):
+            column = cls(None, f32)
+            column._from_storage = False
+            return column
+        return cls(given.astype(np.float64), f32)
 
     @classmethod
     def from_f32(cls, f32: np.ndarray) -> FloatColumn:
@@ -198,7 +361,10 @@ class FloatColumn(Sequence[float]):
         # Join the binary32 bit patterns as bytes: no float conversion, no byte swapping.
         f32 = np.concatenate([p._f32.view(np.uint32) for p in parts]).view(_F32_BE)
         if all(p._values is None for p in parts):
-            return cls(None, f32)
+            column = cls(None, f32)
+            column._from_storage = all(p._from_storage for p in parts)
+            column._carry = _joined_carry(parts)
+            return column
         return cls(np.concatenate([p.array for p in parts]), f32)
 
     @classmethod
@@ -224,6 +390,26 @@ class FloatColumn(Sequence[float]):
             self._carry = carry if bool((bits[carry:] == _ONE_BITS).all()) else None
         return self._carry
 
+    def given_carry(self) -> int | None:
+        """As a mask: k when its values as given are k times +0.0 then only 1.0, else None.
+
+        Judged on the float64 values when the column has them (a valid mask then has the same
+        shape in binary32, so ``carry_count`` is set too), else on the binary32 patterns.
+        """
+        values = self._values
+        if values is None:
+            return self.carry_count()
+        if not values.size:
+            return 0
+        nonzero = values.view(np.uint64) != 0  # +0.0 is the all-zero pattern; -0.0 is not
+        carry = int(nonzero.argmax())
+        if not nonzero[carry]:
+            carry = len(values)  # all +0.0
+        if not bool((values[carry:] == 1.0).all()):
+            return None
+        self._carry = carry
+        return carry
+
     def stored_carry(self) -> int | None:
         """``carry_count`` of a column read back from storage (binary32 patterns only), else None.
 
@@ -231,7 +417,7 @@ class FloatColumn(Sequence[float]):
         +1.0 the flags of ``zero_one_flags`` are exactly "the first k" and "the rest".
         A column built from float64 values is judged on those values: always None here.
         """
-        return None if self._values is not None else self.carry_count()
+        return self.carry_count() if self._from_storage else None
 
     def zero_one_flags(self) -> tuple[np.ndarray, np.ndarray]:
         """Per position: equal to 0.0 (either sign), equal to 1.0.
@@ -263,7 +449,9 @@ class FloatColumn(Sequence[float]):
     def __getitem__(self, index: int | slice) -> float | FloatColumn:
         if isinstance(index, slice):
             values = None if self._values is None else self._values[index].copy()
-            return FloatColumn(values, self._f32[index].copy())
+            part = FloatColumn(values, self._f32[index].copy())
+            part._from_storage = self._from_storage
+            return part
         return float(self.array[index])
 
     def __iter__(self) -> Iterator[float]:
@@ -302,11 +490,13 @@ def encode_ids(ids: TokenIds) -> bytes:
     """u32 little-endian when every id fits (typical vocabularies), else u64."""
     stored = ids._stored
     if stored is None:
-        values = ids.array
-        if values.size == 0 or int(values.max()) < 2**32:
-            stored = _IDS_U32 + values.astype("<u4").tobytes()
+        # Each big-endian word is (high, low) 32-bit halves: every id fits u32 when no high
+        # half has a bit set, judged on the raw halves (no byte swapping, no u64 arithmetic).
+        halves = ids.array.view(">u4").reshape(-1, 2)
+        if not halves[:, 0].view(np.uint32).any():
+            stored = b"".join((_IDS_U32, halves[:, 1].astype("<u4").data))
         else:
-            stored = _IDS_U64 + values.astype("<u8").tobytes()
+            stored = b"".join((_IDS_U64, ids.array.astype("<u8").data))
         ids._stored = stored
     return stored
 
@@ -358,7 +548,7 @@ def decode_mask(data: bytes) -> FloatColumn:
 def encode_floats(values: FloatColumn) -> bytes:
     stored = values._stored_floats
     if stored is None:
-        stored = values._stored_floats = _F32_RAW + values.big_endian_f32().tobytes()
+        stored = values._stored_floats = b"".join((_F32_RAW, values.big_endian_f32().data))
     return stored
 
 

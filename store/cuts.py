@@ -87,7 +87,7 @@ def resolve_continuation(
             f"the cut's policy version {versions[-1]} is newer than the current rollout version {current_version}"
         )
     columns = [chunk.columns for chunk in chunks]
-    if any(c.token_mask.zero_one_flags()[0].any() for c in columns[1:]):
+    if any(_carries(c.token_mask) for c in columns[1:]):
         raise GenerationCutError("only the first chunk of a cut may carry prompt (mask 0.0) tokens")
     ids = TokenIds.concat([c.token_ids for c in columns])
     mask = FloatColumn.concat([c.token_mask for c in columns])
@@ -117,7 +117,8 @@ def resolve_continuation(
         )
     except (ValueError, TypeError) as exc:
         raise GenerationCutError(f"the resolved cut does not form a valid record: {exc}") from exc
-    generated = int(np.count_nonzero(mask.zero_one_flags()[1]))
+    carry = mask.given_carry()  # known from the chunks' stored masks when they are carry-then-generation
+    generated = len(mask) - carry if carry is not None else int(np.count_nonzero(mask.zero_one_flags()[1]))
     if generated != continuation.generation_token_count:
         log.warning(
             "cut %s: %d generated tokens staged, %d claimed", keys, generated, continuation.generation_token_count
@@ -137,6 +138,12 @@ def resolve_continuation(
             f"the cut holds tokens of policy version {newest}, newer than the current rollout version {current_version}"
         )
     return ResolvedCut(snapshot, spans)
+
+
+def _carries(mask: FloatColumn) -> bool:
+    """Whether a mask has a carry (0.0) position; a stored carry-then-generation mask says so by its shape."""
+    carry = mask.stored_carry()
+    return bool(carry) if carry is not None else bool(mask.zero_one_flags()[0].any())
 
 
 def check_chunk_identity(store: Store, continuation: GenerationCutContinuation, fetched: Sequence[StoredChunk]) -> None:

@@ -334,27 +334,34 @@ def _staging_digest_and_columns(
     cum_bytes = u64(cum_len, "cum_len")
     extras_raw = hex_digest_bytes(extras_digest, "extras_digest")
 
-    hasher = hashlib.sha256(STAGING_CALL_DOMAIN)
-    hasher.update(bytes((schema_version, digest_version, extras_digest_version)))
-    hasher.update(_text(rollout_id, "rollout_id"))
-    hasher.update(_text(model_call_id, "model_call_id"))
-    hasher.update(b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"))
-    hasher.update(_text(mode, "mode"))
-    hasher.update(u64(prev_len, "prev_len"))
-    hasher.update(delta_bytes)
-    hasher.update(cum_bytes)
-    hasher.update(u64(weight_version, "weight_version"))
     count = len(columns.token_ids)
-    hasher.update(_PACK_U64(8 + 8 * count) + _PACK_U64(count))
-    hasher.update(columns.token_ids.big_endian().data)
     float_header = _PACK_U64(8 + 4 * count) + _PACK_U64(count)
+    # The small fields join into one update each side of the columns (the same bytes).
+    hasher = hashlib.sha256(
+        b"".join(
+            (
+                STAGING_CALL_DOMAIN,
+                bytes((schema_version, digest_version, extras_digest_version)),
+                _text(rollout_id, "rollout_id"),
+                _text(model_call_id, "model_call_id"),
+                b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"),
+                _text(mode, "mode"),
+                u64(prev_len, "prev_len"),
+                delta_bytes,
+                cum_bytes,
+                u64(weight_version, "weight_version"),
+                _PACK_U64(8 + 8 * count),
+                _PACK_U64(count),
+            )
+        )
+    )
+    tail = extras_raw + _present_digest(chain_hash, "chain_hash") + _present_digest(cumulative_hash, "cumulative_hash")
+    hasher.update(columns.token_ids.big_endian().data)
     hasher.update(float_header)
     hasher.update(columns.token_mask.big_endian_f32().data)
     hasher.update(float_header)
     hasher.update(columns.log_probs.big_endian_f32().data)
-    hasher.update(extras_raw)
-    hasher.update(_present_digest(chain_hash, "chain_hash"))
-    hasher.update(_present_digest(cumulative_hash, "cumulative_hash"))
+    hasher.update(tail)
     return hasher.hexdigest(), columns
 
 
@@ -369,10 +376,10 @@ def _check_versions(schema_version: Any, digest_version: Any, extras_digest_vers
 
 def check_mask_and_carry(mask: FloatColumn, log_probs: FloatColumn) -> None:
     """Masks are 0.0 or 1.0; every carry (mask 0.0) position has log-prob 0.0 (-0.0 passes)."""
-    carried = mask.stored_carry()
+    carried = mask.given_carry()
     if carried is not None:
-        # A mask read from storage as carry-then-generation (its shape is known from its
-        # bytes): the carry positions are its first ``carried``, a slice, not a flag array.
+        # A carry-then-generation mask (the common shape, found in one pass or known from a
+        # stored mask's bytes): the carry positions are its first ``carried``, a slice.
         if carried and log_probs.any_nonzero(slice(0, carried)):
             raise DigestValueError("a carry position (mask 0.0) must have log-prob 0.0")
         return

@@ -57,6 +57,13 @@ class Backend:
     # Takes the next event's seq ahead of its INSERT (PostgreSQL, in the pipeline, under the
     # write lock), so the INSERT needs no RETURNING read; None: the INSERT returns it.
     next_seq_sql: str | None = None
+    # Run on the writer connection when the write path takes it, and before it goes back to
+    # the pool.  SQLite: the writer does not checkpoint (a commit that crosses the threshold
+    # would copy the -wal into the database before returning); ``checkpoint_sql`` runs on
+    # another thread and connection instead (``store.checkpointer``).
+    writer_setup_sql: tuple[str, ...] = ()
+    writer_reset_sql: tuple[str, ...] = ()
+    checkpoint_sql: str | None = None
 
     def commit_mode_sql(self, durable: bool) -> tuple[str | None, str | None]:
         """SQL to run before BEGIN and inside the transaction so its commit waits for the disk or not."""
@@ -65,7 +72,14 @@ class Backend:
         return None, (None if durable else "SET LOCAL synchronous_commit = off")
 
 
-SQLITE = Backend("sqlite", "BEGIN IMMEDIATE")
+SQLITE = Backend(
+    "sqlite",
+    "BEGIN IMMEDIATE",
+    writer_setup_sql=("PRAGMA wal_autocheckpoint = 0",),
+    writer_reset_sql=("PRAGMA wal_autocheckpoint = 1000",),  # SQLite's default, for the pool's other users
+    # PASSIVE: never waits for readers or the writer; what it cannot copy now, the next one does.
+    checkpoint_sql="PRAGMA wal_checkpoint(PASSIVE)",
+)
 
 
 def postgresql_backend(schema: str | None = None) -> Backend:

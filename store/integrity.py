@@ -78,20 +78,20 @@ _token_columns = operator.itemgetter("token_ids", "token_mask", "log_probs")
 def _inconsistency(event: Event, values: Mapping[Any, Any]) -> str | None:
     """What contradicts itself in an event that passed its checksum (a writer bug or a forgery)."""
     body = event.body
-    has_columns = [value is not None for value in _token_columns(values)]
+    columns = _token_columns(values)
     if event.kind in RECORD_KINDS:
         assert isinstance(body, RecordBody)
         if not isinstance(event.staging_key, str) or not event.staging_key:
             return f"a {event.kind.value} event without a staging key"
-        if not all(has_columns):
+        if None in columns:
             return f"a {event.kind.value} event without its token columns"
-        if (body.rollout_id, body.model_call_id) != (event.rollout_id, event.model_call_id):
+        if body.rollout_id != event.rollout_id or body.model_call_id != event.model_call_id:
             return (
                 f"its body is the record of {body.rollout_id}/{body.model_call_id}, "
                 f"its stream {event.rollout_id}/{event.model_call_id}"
             )
         return None
-    if event.staging_key is not None or any(has_columns):
+    if event.staging_key is not None or columns != (None, None, None):
         return f"a {event.kind.value} event with a staging key or token columns"
     if event.kind is EventKind.CUT_RECEIPT:
         assert isinstance(body, CutReceiptBody)

@@ -8,6 +8,7 @@ savepoint when it shares a batch, so one caller's error never undoes another's e
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -22,6 +23,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
+from store.checkpointer import Checkpointer
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
 from store.digest import PackedColumns
 from store.engine import (
@@ -35,7 +37,7 @@ from store.engine import (
     sync_file,
 )
 from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
-from store.events import EventKind, decode_body, encode_body
+from store.events import RECORD_KINDS, EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
 from store.projections import (
     ROLLOUT_COLUMNS,
@@ -74,20 +76,20 @@ class NewEvent:
     # The stored form (body, ids, mask, log-probs), encoded once when the event is built, so
     # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
     stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
+    size: int = field(init=False, repr=False, compare=False)  # bytes of the stored form (checkpoint pacing)
 
     def __post_init__(self) -> None:
         columns = self.columns
         stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
+        body = encode_body(self.body)
         if columns is None:
-            stored = (encode_body(self.body), None, None, None)
+            stored, size = (body, None, None, None), len(body)
         else:
-            stored = (
-                encode_body(self.body),
-                encode_ids(columns.token_ids),
-                encode_mask(columns.token_mask),
-                encode_floats(columns.log_probs),
-            )
+            ids, mask = encode_ids(columns.token_ids), encode_mask(columns.token_mask)
+            log_probs = encode_floats(columns.log_probs)
+            stored, size = (body, ids, mask, log_probs), len(body) + len(ids) + len(mask) + len(log_probs)
         object.__setattr__(self, "stored", stored)
+        object.__setattr__(self, "size", size)
 
 
 class _Statements:
@@ -268,11 +270,12 @@ class StageLookup:
 class WriteTransaction:
     """What a write function may do inside the shared transaction."""
 
-    def __init__(self, cursor: Any, statements: _Statements) -> None:
+    def __init__(self, cursor: Any, statements: _Statements, pid: int | None = None) -> None:
         self._cursor = cursor
         self._sql = statements
-        self._pid = os.getpid()
+        self._pid = os.getpid() if pid is None else pid
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
+        self.appended_bytes = 0  # their stored size (paces WAL checkpoints)
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
         self._unfenced: set[str] = set()
         self.last_seq: int | None = None  # the sequence number of the last event appended
@@ -414,14 +417,15 @@ class WriteTransaction:
         ``lookup``: what ``stage_lookup`` just read for this event's stream, in this
         transaction with nothing appended since (saves reading the calls row and version again).
         """
-        if fenced_kind(new.kind) and not new.past_fence:
-            self.check_fence(new.rollout_id)
+        kind = new.kind
         call: CallState | None
-        if lookup is not None:
-            call = lookup.call if affects_call(new.kind) else None
-            last_version = lookup.last_version
+        if lookup is not None:  # it refused a fenced capture key already
+            call = lookup.call if affects_call(kind) else None
+            last_version: int | None = lookup.last_version
         else:
-            call = self.call(new.rollout_id, new.model_call_id) if affects_call(new.kind) else None
+            if fenced_kind(kind) and not new.past_fence:
+                self.check_fence(new.rollout_id)
+            call = self.call(new.rollout_id, new.model_call_id) if affects_call(kind) else None
             last_version = None
         if call is not None:
             version = call.stream_version + 1  # the calls row tracks its stream's position
@@ -435,7 +439,7 @@ class WriteTransaction:
             "rollout_id": new.rollout_id,
             "model_call_id": new.model_call_id,
             "stream_version": version,
-            "kind": new.kind.value,
+            "kind": kind.value,
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
             "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
@@ -452,19 +456,43 @@ class WriteTransaction:
         else:
             seq = int(self._execute(self._sql.insert_event, stored).fetchone()[0])
         self.appended += 1
+        self.appended_bytes += new.size
         self.last_seq = seq
-        event = Event(seq, new.kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
+        event = Event(seq, kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
         return seq
 
     def _project(self, event: Event, current: CallState | None) -> None:
-        if affects_call(event.kind):
-            row = fold_call(current, event).to_row()
-            if current is None:
-                self._execute(self._sql.insert_call, row)
-            else:
-                row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
-                self._execute(self._sql.update_call, row)
+        kind = event.kind
+        if kind in RECORD_KINDS:  # the staging path: a calls row and a key, nothing else
+            self._project_call(event, current)
+            self._project_keys(event)
+            return
+        if affects_call(kind):
+            self._project_call(event, current)
+        self._project_keys(event)
+        if kind in ROLLOUT_KINDS:
+            self._project_rollout(event)
+        receipt = fold_receipt(event)
+        if receipt is not None:
+            (checkpoint_id, inventory_digest), seq = receipt
+            self._execute(
+                self._sql.insert_receipt,
+                {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
+            )
+        worker = worker_key(event)
+        if worker is not None:
+            self._project_worker(worker, event)
+
+    def _project_call(self, event: Event, current: CallState | None) -> None:
+        row = fold_call(current, event).to_row()
+        if current is None:
+            self._execute(self._sql.insert_call, row)
+        else:
+            row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
+            self._execute(self._sql.update_call, row)
+
+    def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
         self._forget_ahead(event.rollout_id, (*added, *removed))
         for key in removed:
@@ -481,18 +509,6 @@ class WriteTransaction:
                     "digest": state.digest,
                 },
             )
-        if event.kind in ROLLOUT_KINDS:
-            self._project_rollout(event)
-        receipt = fold_receipt(event)
-        if receipt is not None:
-            (checkpoint_id, inventory_digest), seq = receipt
-            self._execute(
-                self._sql.insert_receipt,
-                {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
-            )
-        worker = worker_key(event)
-        if worker is not None:
-            self._project_worker(worker, event)
 
     def _project_worker(self, key: int, event: Event) -> None:
         """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""
@@ -536,7 +552,7 @@ class _FailedCaller(Exception):
 
 
 class _Pending(Generic[T]):
-    __slots__ = ("ahead", "done", "durable", "error", "result", "work")
+    __slots__ = ("ahead", "done", "durable", "error", "result", "wake", "work")
 
     def __init__(
         self, work: Callable[[WriteTransaction], T], durable: bool, ahead: Sequence[tuple[str, str, str]] = ()
@@ -545,13 +561,22 @@ class _Pending(Generic[T]):
         self.durable = durable
         self.ahead = ahead
         self.done = False
+        # Set (holding the log's lock) when the caller should look again: its batch was written,
+        # or the writer role is free and it is first in the queue.  Each waiting caller has its
+        # own, so a commit wakes exactly its callers, none of them contending for the log's lock.
+        self.wake = threading.Event()
         self.result: T | None = None
         self.error: BaseException | None = None
 
 
-# How long a new leader may wait for the callers of the previous batch to queue again.
-# Far below one fsync, so gathering them into one commit is always the better trade.
+# How long a running batch may wait for the callers of the previous batch to queue again: at
+# least this, at most the max, else as long as the last commit took.
 GATHER_SECONDS = 0.0005
+GATHER_MAX_SECONDS = 0.005
+RECENT_BATCHES = 8  # a batch waits for as many callers as the largest of the last few had
+MAX_BATCH = 1024  # callers a batch takes in at most (a commit must come)
+PAGE_BYTES = 4096
+COMMIT_PAGES = 4  # pages a commit writes beside its events' own bytes (tables' leaves, indexes)
 
 
 class EventLog:
@@ -577,9 +602,15 @@ class EventLog:
         self._durable = durable
         self._wal_path = wal_path  # SQLite: the -wal file a durable acknowledgement may have to sync
         self._statements = _Statements(engine)
+        self._pid = os.getpid()  # the events' writer_pid (a forked child sets its own)
+        self._checkpointer = (
+            None if backend.checkpoint_sql is None or read_only else Checkpointer(engine, backend.checkpoint_sql)
+        )
         self._driver_errors = driver_errors(engine)
         self._closed = False
-        self._last_batch = 1
+        self._recent_batches: collections.deque[int] = collections.deque([1], maxlen=RECENT_BATCHES)
+        self._expected = 1  # the largest of the recent batches: how many callers a batch waits for
+        self._last_commit_seconds = 0.0  # how long the last batch's commit took (bounds the gathering)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -587,7 +618,7 @@ class EventLog:
         # An RLock: if an interrupt inside Condition.wait leaves it released, the ``with`` that
         # then releases it again fails instead of releasing another thread's hold.
         self._lock = threading.RLock()
-        self._finished = threading.Condition(self._lock)  # followers wait for their batch
+        self._finished = threading.Condition(self._lock)  # close() waits for the writer role to be free
         self._arrived = threading.Condition(self._lock)  # a gathering leader waits for callers
         self._queue: list[_Pending[Any]] = []
         self._leader: _Pending[Any] | None = None  # the pending whose thread holds the writer role
@@ -634,17 +665,32 @@ class EventLog:
             self._queue.append(pending)
             if self._gathering:
                 self._arrived.notify()
-            while self._leader is not None and not pending.done:
-                self._finished.wait()
-            if pending.done:
+            if self._settled_or_leading(pending):
                 return
-            self._leader = pending  # one assignment: from here on _leave gives the role back
-            self._batch_started = False
-            self._gather()
-            self._batch, self._queue = self._queue, []
+        while True:
+            pending.wake.wait()
+            with self._lock:
+                if self._settled_or_leading(pending):
+                    return
+
+    def _settled_or_leading(self, pending: _Pending[Any]) -> bool:
+        """(Holding the lock.)  True once another leader wrote ``pending``, or when it takes the
+        free writer role with a batch; else False, its ``wake`` cleared for waiting again."""
+        if pending.done:
+            return True
+        if self._leader is not None:
+            pending.wake.clear()  # every set happens under the lock: none is lost before the wait
+            return False
+        self._leader = pending  # one assignment: from here on _leave gives the role back
+        self._batch_started = False
+        self._gather()
+        self._batch, self._queue = self._queue, []
+        return True
 
     def _leave(self, pending: _Pending[Any]) -> None:
         """Every path out of ``write``: give back the writer role, and settle a batch left unwritten."""
+        if pending.done and self._leader is not pending:
+            return  # a follower whose batch was written holds nothing (only its own thread leads it)
         with self._lock:
             self._leave_locked(pending)
 
@@ -652,15 +698,20 @@ class EventLog:
         """``_leave``'s steps; each can be repeated after an interrupt."""
         if not pending.done and pending in self._queue:
             self._queue.remove(pending)  # interrupted while waiting or gathering: its work never runs
-        if self._leader is not pending:
-            return
-        for other in self._batch:
-            if other is not pending and not other.done and other not in self._queue:
-                self._settle_orphan(other)
-        self._last_batch = max(1, len(self._batch))
-        self._finished.notify_all()  # before the role is given back, so a repeat notifies again
-        self._batch = []
-        self._leader = None
+        if self._leader is pending:
+            for other in self._batch:
+                if other is not pending and not other.done and other not in self._queue:
+                    self._settle_orphan(other)
+            self._recent_batches.append(max(1, len(self._batch)))
+            self._expected = max(self._recent_batches)
+            for other in self._batch:
+                if other.done:
+                    other.wake.set()
+            self._finished.notify_all()  # close() waits for the role (before it is given back: a repeat notifies again)
+            self._batch = []
+            self._leader = None
+        if self._leader is None and self._queue:
+            self._queue[0].wake.set()  # the role is free: the first waiting caller takes it
 
     def _settle_orphan(self, pending: _Pending[Any]) -> None:
         """A follower whose leader was interrupted (called holding the lock)."""
@@ -677,8 +728,9 @@ class EventLog:
         pending.done = True
 
     def _gather(self) -> None:
-        """Wait briefly for as many callers as the last batch had (called holding the lock)."""
-        expected = self._last_batch
+        """Wait briefly (``GATHER_SECONDS``) for as many callers as recent batches had before
+        the batch starts (called holding the lock); later ones join it while it runs."""
+        expected = self._expected
         if expected <= 1 or len(self._queue) >= expected:
             return
         deadline = time.monotonic() + GATHER_SECONDS
@@ -691,6 +743,39 @@ class EventLog:
                 self._arrived.wait(remaining)
         finally:
             self._gathering = False
+
+    def _take_arrivals(self, batch: list[_Pending[Any]], durable: bool, began: float) -> bool:
+        """Move callers that queued while the batch ran into it (its transaction is still open);
+        while it is smaller than recent batches, wait for them up to one commit's time from
+        ``began`` (bounded by ``GATHER_SECONDS`` and ``GATHER_MAX_SECONDS``).
+
+        The gathering overlaps the batch's own statements, so a leader starts at once and the
+        batch fills while it works.  A durable caller never joins a batch that commits without
+        a sync; it leads or joins the next one.
+        """
+        expected = self._expected
+        if expected <= 1 and not self._queue:  # one caller at a time: nothing to wait for
+            return False
+        # Up to one commit's time: callers released by the last commit are usually back by then.
+        deadline = began + min(GATHER_MAX_SECONDS, max(GATHER_SECONDS, self._last_commit_seconds))
+        with self._lock:
+            self._gathering = True
+            try:
+                while not self._closed and len(batch) < MAX_BATCH:
+                    arrived = [pending for pending in self._queue if durable or not pending.durable]
+                    if arrived:
+                        self._queue = [pending for pending in self._queue if not (durable or not pending.durable)]
+                        for pending in arrived:
+                            pending.error = pending.result = None
+                        batch.extend(arrived)
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if len(batch) >= expected or remaining <= 0:
+                        return False
+                    self._arrived.wait(remaining)
+                return False
+            finally:
+                self._gathering = False
 
     def _write_batch(self, batch: list[_Pending[Any]]) -> None:
         """One transaction for the batch.  Savepoints cost two statements per caller, so
@@ -733,23 +818,56 @@ class EventLog:
         connection = self._writer()
         mode_set = self._commit_mode == durable
         self._commit_mode = durable
+        began = time.monotonic()
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
-            transaction = WriteTransaction(cursor, self._statements)
+            transaction = WriteTransaction(cursor, self._statements, self._pid)
             if len(batch) > 1:  # a lone stage reads its lookup in the round trip of its BEGIN
                 streams = [stream for pending in batch for stream in pending.ahead]
                 transaction.read_ahead(streams, len(streams))
-            for index, pending in enumerate(batch):
-                if index:
-                    failpoints.hit("mid_batch")
-                self._run_one(transaction, pending, f"op{index}" if isolate else None)
-                if pending.error is not None and not isolate:
-                    raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
+            index = 0
+            while True:
+                while index < len(batch):
+                    if index:
+                        failpoints.hit("mid_batch")
+                    pending = batch[index]
+                    self._run_one(transaction, pending, f"op{index}" if isolate else None)
+                    if pending.error is not None and not isolate:
+                        raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
+                    index += 1
+                if isolate or not self._take_arrivals(batch, durable, began):
+                    break  # a batch run again isolated keeps exactly its callers
+            committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
             if unsynced and self._backend.force_commit_record_sql is not None:
                 cursor.execute(self._backend.force_commit_record_sql)
             failpoints.hit("before_commit")
         if unsynced and self._wal_path is not None:
             sync_file(self._wal_path)
+        self._last_commit_seconds = time.perf_counter() - committing
+        self._after_commit(connection, transaction.appended_bytes)
+
+    def _after_commit(self, connection: Any, appended_bytes: int) -> None:
+        """Pace WAL checkpoints: a background thread's, then the writer's own to finish it (see
+        ``store.checkpointer``)."""
+        checkpointer = self._checkpointer
+        if checkpointer is None:
+            return
+        # Pages the commit wrote, about: the events' stored bytes and a few projection pages.
+        checkpointer.committed(appended_bytes + COMMIT_PAGES * PAGE_BYTES)
+        if checkpointer.due_in_line() and self._backend.checkpoint_sql is not None:
+            # After the commit: a failing checkpoint must not fail callers whose batch committed.
+            try:
+                cursor = connection.cursor()
+                try:
+                    row = cursor.execute(self._backend.checkpoint_sql).fetchone()
+                finally:
+                    cursor.close()
+            except self._driver_errors:
+                return  # the next commit tries again
+            # (busy, frames in the -wal, frames copied): the thread still at work, or a reader's
+            # snapshot, can leave frames behind; the next commit tries again.
+            if row is None or row[2] >= row[1]:
+                checkpointer.checkpointed_in_line()
 
     def _run_one(self, transaction: WriteTransaction, pending: _Pending[Any], savepoint: str | None) -> None:
         if savepoint is not None:
@@ -795,7 +913,17 @@ class EventLog:
             # The driver's own connection: the write path is hot, the pool's proxy is not needed.
             self._connection = self._fairy.dbapi_connection
             self._commit_mode = None
+            self._run_on_writer(self._backend.writer_setup_sql)
         return self._connection
+
+    def _run_on_writer(self, statements: tuple[str, ...]) -> None:
+        if statements:
+            cursor = self._connection.cursor()
+            try:
+                for sql in statements:
+                    cursor.execute(sql).fetchall()
+            finally:
+                cursor.close()
 
     def _discard_writer(self) -> None:
         # Forget it first: even if invalidating is interrupted, the next batch opens a new one.
@@ -807,13 +935,28 @@ class EventLog:
     def release_writer(self) -> None:
         """Return the writer connection to the pool (before a fork: no connection is held in use)."""
         with self._lock:
+            if self._connection is not None:
+                with contextlib.suppress(*self._driver_errors):  # a broken connection is closed anyway
+                    self._run_on_writer(self._backend.writer_reset_sql)
             fairy, self._fairy, self._connection = self._fairy, None, None
         if fairy is not None:
             fairy.close()
 
+    def hold_checkpoints_for_fork(self) -> None:
+        """Before a fork: no background checkpoint holds a connection across it."""
+        if self._checkpointer is not None:
+            self._checkpointer.hold_for_fork()
+
+    def release_checkpoints_after_fork(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.release_after_fork()
+
     def after_fork_in_child(self) -> None:
         """In a forked child: new locks and queue; the parent's connection is neither used nor closed."""
         self._reset_state()
+        self._pid = os.getpid()
+        if self._checkpointer is not None:
+            self._checkpointer.after_fork_in_child()
 
     def close(self) -> None:
         """Refuse new writes, fail the queued ones, let the batch being written commit, close the writer."""
@@ -823,8 +966,11 @@ class EventLog:
                 if pending is not self._leader:
                     pending.error = StoreClosedError("this store was closed before the write began")
                     pending.done = True
+                    pending.wake.set()
             self._queue = [pending for pending in self._queue if pending is self._leader]
             self._finished.notify_all()
             while self._leader is not None:
                 self._finished.wait()
         self.release_writer()
+        if self._checkpointer is not None:
+            self._checkpointer.close()

@@ -86,33 +86,38 @@ class CallState:
         return max((s[2] for s in self.spans), default=None)
 
     def to_row(self) -> dict[str, Any]:
+        return dict(zip(CALL_ROW_COLUMNS, self.row_values(), strict=True))
+
+    def row_values(self) -> tuple[Any, ...]:
+        """The row's values in ``CALL_ROW_COLUMNS`` order (the calls table's column order)."""
         spans = self.spans
         if spans:
             versions = [span[2] for span in spans]
-            oldest: int | None = min(versions)
-            newest: int | None = max(versions)
+            oldest: str | None = version_key(min(versions))
+            newest: str | None = version_key(max(versions))
         else:
             oldest = newest = None
-        return {
-            "rollout_id": self.rollout_id,
-            "model_call_id": self.model_call_id,
-            "stream_version": self.stream_version,
-            "state": self.state,
-            "parent_call_id": self.parent_call_id,
-            "mode": self.mode,
-            "prev_len": self.prev_len,
-            "cum_len": self.cum_len,
-            "generated_tokens": self.generated_tokens,
-            "chain_hash": self.chain_hash,
-            "cumulative_hash": self.cumulative_hash,
-            "continues_rollout_id": self.continues_rollout_id,
-            "continues_model_call_id": self.continues_model_call_id,
-            "admitted_version": None if self.admitted_version is None else version_key(self.admitted_version),
-            "oldest_version": None if oldest is None else version_key(oldest),
-            "newest_version": None if newest is None else version_key(newest),
-            "version_spans": _SPANS_ENCODER.encode(list(self.spans)),
-            "last_seq": self.last_seq,
-        }
+        admitted = self.admitted_version
+        return (
+            self.rollout_id,
+            self.model_call_id,
+            self.stream_version,
+            self.state,
+            self.parent_call_id,
+            self.mode,
+            self.prev_len,
+            self.cum_len,
+            self.generated_tokens,
+            self.chain_hash,
+            self.cumulative_hash,
+            self.continues_rollout_id,
+            self.continues_model_call_id,
+            None if admitted is None else version_key(admitted),
+            oldest,
+            newest,
+            _SPANS_ENCODER.encode(list(spans)),
+            self.last_seq,
+        )
 
     @classmethod
     def from_row(cls, row: Any) -> CallState:
@@ -145,6 +150,28 @@ class CallState:
             spans=tuple(_SPANS_DECODER.decode(bytes(values["version_spans"]))),
             last_seq=values["last_seq"],
         )
+
+
+CALL_ROW_COLUMNS = (
+    "rollout_id",
+    "model_call_id",
+    "stream_version",
+    "state",
+    "parent_call_id",
+    "mode",
+    "prev_len",
+    "cum_len",
+    "generated_tokens",
+    "chain_hash",
+    "cumulative_hash",
+    "continues_rollout_id",
+    "continues_model_call_id",
+    "admitted_version",
+    "oldest_version",
+    "newest_version",
+    "version_spans",
+    "last_seq",
+)
 
 
 @dataclass(frozen=True)
@@ -252,9 +279,19 @@ _new_object = object.__new__
 _BLANK_CALL = CallState("", "", 0, "admitted")
 
 
+def _new_call(rollout_id: str, model_call_id: str) -> CallState:
+    """A call's row before its first event (``_moved`` of the blank row, without the keywords)."""
+    moved = _new_object(CallState)
+    fields = moved.__dict__
+    fields.update(_BLANK_CALL.__dict__)
+    fields["rollout_id"] = rollout_id
+    fields["model_call_id"] = model_call_id
+    return moved
+
+
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
-    base = current or _moved(_BLANK_CALL, rollout_id=event.rollout_id, model_call_id=event.model_call_id)
+    base = current if current is not None else _new_call(event.rollout_id, event.model_call_id)
     version, seq = event.stream_version, event.seq
     body = event.body
     if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:
@@ -318,6 +355,9 @@ def _live(current: str, new: str) -> str:
 
 
 def _generated(spans: Any) -> int:
+    if len(spans) == 1:  # the common case: one version generated the whole delta
+        start, end, _ = spans[0]
+        return end - start  # type: ignore[no-any-return]
     return sum(end - start for start, end, _ in spans)
 
 
@@ -384,6 +424,9 @@ def fold_worker(current: WorkerState | None, event: Event) -> WorkerState:
 
 def merge_spans(spans: Sequence[Span]) -> tuple[Span, ...]:
     """Join adjacent spans of the same version."""
+    if len(spans) == 1:  # the common case: nothing to join
+        start, end, version = spans[0]
+        return ((start, end, version),)
     merged: list[Span] = []
     for start, end, version in spans:
         if merged and merged[-1][1] == start and merged[-1][2] == version:

@@ -127,6 +127,88 @@ def _keyed_events() -> sa.Select[Any]:
 _KEYED_EVENTS = _keyed_events()
 
 
+@dataclass(frozen=True)
+class _DriverStatement:
+    """A statement compiled once for SQLite: its SQL, bind names in order, result column names."""
+
+    sql: str
+    binds: tuple[str, ...]
+    defaults: dict[str, Any]
+    names: tuple[str, ...]
+
+
+_DRIVER_STATEMENTS: dict[int, tuple[sa.Select[Any], _DriverStatement]] = {}
+
+
+def _driver_statement(statement: sa.Select[Any], dialect: sa.Dialect) -> _DriverStatement:
+    cached = _DRIVER_STATEMENTS.get(id(statement))
+    if cached is not None and cached[0] is statement:
+        return cached[1]
+    compiled = statement.compile(dialect=dialect)
+    positions = compiled.positiontup or []
+    if any(compiled.binds[name].expanding for name in positions):
+        raise ValueError("an expanding bind parameter cannot run on the driver cursor")
+    prepared = _DriverStatement(
+        compiled.string,
+        tuple(positions),
+        {name: compiled.binds[name].value for name in positions},
+        tuple(statement.selected_columns.keys()),
+    )
+    _DRIVER_STATEMENTS[id(statement)] = (statement, prepared)
+    return prepared
+
+
+def plain_rows(connection: sa.Connection, statement: sa.Select[Any], params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every row of a module-level ``statement`` as a dict by column name.
+
+    On SQLite its SQL, compiled once, runs on the driver cursor of the connection's
+    transaction: SQLAlchemy's per-execution work (parameters, result metadata, row objects)
+    was a large share of reading one rollout.  SQLite's driver returns the values SQLAlchemy
+    would (text, integers, floats, bytes); PostgreSQL reads through SQLAlchemy.
+    """
+    if connection.dialect.name != "sqlite":
+        return [dict(row._mapping) for row in connection.execute(statement, params)]
+    prepared = _driver_statement(statement, connection.dialect)
+    values = [params[name] if name in params else prepared.defaults[name] for name in prepared.binds]
+    names = prepared.names
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        return [dict(zip(names, row, strict=True)) for row in cursor.execute(prepared.sql, values)]
+    finally:
+        cursor.close()
+
+
+# One call's projection row (``begin_call`` checks it for every admission).
+_ONE_CALL = sa.select(*schema.calls.c).where(
+    schema.calls.c.rollout_id == sa.bindparam("rollout_id"),
+    schema.calls.c.model_call_id == sa.bindparam("model_call_id"),
+)
+
+
+# The keyed read on SQLite, with one placeholder per key (the statement's expanding IN).
+_KEYED_NAMES = tuple(_KEYED_EVENTS.selected_columns.keys())
+_SQLITE_KEYED = (
+    f"SELECT {', '.join(f'k.{column.name}' for column in schema.staged_keys.c)}, "
+    f"{', '.join(f'e.{column.name}' for column in schema.events.c)} "
+    f"FROM {schema.staged_keys.name} AS k LEFT OUTER JOIN {schema.events.name} AS e ON e.seq = k.event_seq "
+    "WHERE k.staging_key IN ({marks})"
+)
+
+
+def _keyed_rows(connection: sa.Connection, keys: list[str]) -> Iterator[dict[str, Any]]:
+    """Rows of ``_KEYED_EVENTS`` for ``keys`` as dicts (SQLite: on the driver cursor)."""
+    if connection.dialect.name != "sqlite":
+        for row in connection.execute(_KEYED_EVENTS, {"keys": keys}):
+            yield dict(row._mapping)  # read many times: a plain dict is faster
+        return
+    cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        for row in cursor.execute(_SQLITE_KEYED.format(marks=", ".join("?" * len(keys))), keys):
+            yield dict(zip(_KEYED_NAMES, row, strict=True))
+    finally:
+        cursor.close()
+
+
 class Reader:
     """Read queries over pooled connections; driver errors become ``StorageError``."""
 
@@ -175,12 +257,10 @@ class Reader:
             if not isinstance(key, str) or not key:
                 raise InvalidRecordError(f"staging keys must be non-empty strings, got {key!r}")
         rows: dict[str, Any] = {}
-        query = _KEYED_EVENTS
         with self.connection("fetching staged records") as connection:
             for start in range(0, len(wanted), _FETCH_CHUNK):
-                chunk = wanted[start : start + _FETCH_CHUNK]
-                for row in connection.execute(query, {"keys": chunk}):
-                    rows[row.key_staging_key] = dict(row._mapping)  # read many times: a plain dict is faster
+                for row in _keyed_rows(connection, wanted[start : start + _FETCH_CHUNK]):
+                    rows[row["key_staging_key"]] = row
         missing = [key for key in wanted if key not in rows]
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -189,11 +269,10 @@ class Reader:
         return [chunks[key] for key in keys]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
-        calls = schema.calls
-        query = sa.select(*calls.c).where(calls.c.rollout_id == rollout_id, calls.c.model_call_id == model_call_id)
+        params = {"rollout_id": rollout_id, "model_call_id": model_call_id}
         with self.connection("reading a call") as connection:
-            row = connection.execute(query).first()
-        return None if row is None else CallInfo.from_state(CallState.from_row(row))
+            rows = plain_rows(connection, _ONE_CALL, params)
+        return CallInfo.from_state(CallState.from_row(rows[0])) if rows else None
 
     def calls(self, rollout_id: str | None = None) -> list[CallInfo]:
         calls = schema.calls

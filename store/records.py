@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
@@ -456,7 +455,8 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         encode_ids(columns.token_ids)
         encode_mask(columns.token_mask)
         encode_floats(columns.log_probs)
-        with _prehashed(digest, columns, extras_verified=True):
+        token = _PREHASHED.set((digest, columns, True))  # the extras digest was computed from ``payload`` here
+        try:
             return cls(
                 schema_version=schema_version,  # type: ignore[arg-type]
                 rollout_id=rollout_id,
@@ -476,19 +476,12 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
                 cumulative_hash=cumulative_hash,
                 extras=payload,
             )
+        finally:
+            _PREHASHED.reset(token)
 
 
 class StagedCallSnapshot(StagedCallRecord, frozen=True, kw_only=True):
     """What a staging source returns: identical to the record."""
-
-
-@contextmanager
-def _prehashed(digest: str, columns: PackedColumns, *, extras_verified: bool) -> Iterator[None]:
-    token = _PREHASHED.set((digest, columns, extras_verified))
-    try:
-        yield
-    finally:
-        _PREHASHED.reset(token)
 
 
 S = TypeVar("S", bound=StagedCallBaseSnapshot)
@@ -499,7 +492,8 @@ def trusted_snapshot(cls: type[S], digest: str, columns: PackedColumns, **fields
 
     The extras payload, if any, is still checked against ``extras_digest``.
     """
-    with _prehashed(digest, columns, extras_verified=False):
+    token = _PREHASHED.set((digest, columns, False))  # set and reset directly: every fetched record comes here
+    try:
         return cls(
             digest=digest,
             token_ids_delta=columns.token_ids,
@@ -507,6 +501,8 @@ def trusted_snapshot(cls: type[S], digest: str, columns: PackedColumns, **fields
             generation_log_probs_delta=columns.log_probs,
             **fields,
         )
+    finally:
+        _PREHASHED.reset(token)
 
 
 # --- results, coords, ledger rows (3.5 - 3.9) ----------------------------------------------

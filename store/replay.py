@@ -15,8 +15,11 @@ from sqlalchemy.engine import Engine
 from store import schema
 from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError
+from store.events import RECORD_KINDS, WORKER_KINDS, EventKind
 from store.integrity import undecodable_text, verified_event
 from store.projections import (
+    CALL_ROW_COLUMNS,
+    ROLLOUT_KINDS,
     CallState,
     Event,
     KeyState,
@@ -76,9 +79,6 @@ class ReplayReport:
         if self.repaired:
             lines.append("  the live projections were replaced by the rebuilt ones")
         return "\n".join(lines)
-
-
-Tables = dict[str, dict[tuple[Any, ...], dict[str, Any]]]
 
 
 @contextmanager
@@ -193,60 +193,90 @@ def verified_events(connection: sa.Connection, undecodable: list[tuple[int, str]
             undecodable.append((row["seq"], str(exc)))
 
 
-def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None = None) -> tuple[int, Tables]:
+def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None = None) -> tuple[int, Folded]:
     """Fold the whole log, in sequence order, into projection rows (undecodable events left out)."""
     skipped: list[tuple[int, str]] = [] if undecodable is None else undecodable
-    calls: dict[tuple[str, str], CallState] = {}
-    keys: dict[str, KeyState] = {}
-    receipts: dict[tuple[str, str], int] = {}
-    rollouts: dict[str, RolloutState] = {}
-    workers: dict[int, WorkerState] = {}
+    folded = Folded()
+    fold = folded.fold
     count = 0
     for event in verified_events(connection, skipped):
         count += 1
-        fold_event(event, calls, keys, receipts)
-        fold_rollout_event(event, rollouts)
-        fold_worker_event(event, workers)
-    return count + len(skipped), {
-        "calls": {stream: state.to_row() for stream, state in calls.items()},
-        "staged_keys": {(key,): key_row(key, state) for key, state in keys.items()},
-        "cut_receipts": {ident: receipt_row(ident, seq) for ident, seq in receipts.items()},
-        "rollouts": {(key,): state.to_row() for key, state in rollouts.items()},
-        "workers": {(key,): state.to_row() for key, state in workers.items()},
-    }
+        fold(event)
+    return count + len(skipped), folded
 
 
-def fold_rollout_event(event: Event, rollouts: dict[str, RolloutState]) -> None:
-    """Fold one event into the rebuilt ``rollouts`` projection (fences, ledger counts, deletions)."""
-    folded = fold_rollout(rollouts.get(event.rollout_id), event)
-    if folded is not None:
-        rollouts[event.rollout_id] = folded
+# Which projections an event kind touches, decided once per kind (a set lookup per event
+# instead of a call into each fold that returns "nothing to do").
+_CALL_KINDS = frozenset(kind for kind in EventKind if affects_call(kind))
+_KEY_KINDS = RECORD_KINDS | {EventKind.KEYS_CLEARED}
+# ``Folded.fold`` tests them in turn: keys are folded with calls, the others are disjoint.
+assert _KEY_KINDS <= _CALL_KINDS and not (_CALL_KINDS & (ROLLOUT_KINDS | WORKER_KINDS))
 
 
-def fold_worker_event(event: Event, workers: dict[int, WorkerState]) -> None:
-    """Fold one event into the rebuilt ``workers`` projection (policy workers joined, stopped, lost)."""
-    worker = worker_key(event)
-    if worker is not None:
-        workers[worker] = fold_worker(workers.get(worker), event)
+class Folded:
+    """The projections rebuilt from the log by the same folds the write path runs."""
+
+    __slots__ = ("calls", "keys", "receipts", "rollouts", "workers")
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], CallState] = {}
+        self.keys: dict[str, KeyState] = {}
+        self.receipts: dict[tuple[str, str], int] = {}
+        self.rollouts: dict[str, RolloutState] = {}
+        self.workers: dict[int, WorkerState] = {}
+
+    def fold(self, event: Event) -> None:
+        """Fold one event into every projection it touches."""
+        kind = event.kind
+        if kind in _CALL_KINDS:
+            stream = (event.rollout_id, event.model_call_id)
+            calls = self.calls
+            calls[stream] = fold_call(calls.get(stream), event)
+            if kind in _KEY_KINDS:
+                added, removed = fold_keys(event)
+                keys = self.keys
+                for key in removed:
+                    keys.pop(key, None)
+                keys.update(added)
+        elif kind is EventKind.CUT_RECEIPT:
+            receipt = fold_receipt(event)
+            if receipt is not None:
+                self.receipts[receipt[0]] = receipt[1]
+        elif kind in ROLLOUT_KINDS:
+            folded = fold_rollout(self.rollouts.get(event.rollout_id), event)
+            if folded is not None:
+                self.rollouts[event.rollout_id] = folded
+        elif kind in WORKER_KINDS:
+            worker = worker_key(event)
+            if worker is not None:
+                self.workers[worker] = fold_worker(self.workers.get(worker), event)
+
+    def row_tuples(self, table: sa.Table) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+        """One table's rebuilt rows as tuples in column order (the live tables' form); its
+        folded states are released as it goes."""
+        name = table.name
+        if name == "staged_keys":
+            keys, self.keys = self.keys, {}
+            # Built directly: a mapping per key only to reorder it was most of this step.
+            return {
+                (key,): (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
+                for key, state in keys.items()
+            }
+        if name == "calls":
+            calls, self.calls = self.calls, {}
+            return {stream: state.row_values() for stream, state in calls.items()}
+        ordered = operator.itemgetter(*_column_names(table))
+        if name == "cut_receipts":
+            return {ident: ordered(receipt_row(ident, seq)) for ident, seq in self.receipts.items()}
+        if name == "rollouts":
+            return {(key,): ordered(state.to_row()) for key, state in self.rollouts.items()}
+        assert name == "workers", name
+        return {(key,): ordered(state.to_row()) for key, state in self.workers.items()}
 
 
-def fold_event(
-    event: Event,
-    calls: dict[tuple[str, str], CallState],
-    keys: dict[str, KeyState],
-    receipts: dict[tuple[str, str], int],
-) -> None:
-    """Fold one event into the rebuilt projections (the same folds the write path runs)."""
-    if affects_call(event.kind):
-        stream = (event.rollout_id, event.model_call_id)
-        calls[stream] = fold_call(calls.get(stream), event)
-    added, removed = fold_keys(event)
-    for key in removed:
-        keys.pop(key, None)
-    keys.update(added)
-    receipt = fold_receipt(event)
-    if receipt is not None:
-        receipts[receipt[0]] = receipt[1]
+# staged_keys and calls rows are built as tuples above: the tables' columns must be in that order.
+assert [column.name for column in schema.staged_keys.c] == ["staging_key", *KeyState.__dataclass_fields__]
+assert tuple(column.name for column in schema.calls.c) == CALL_ROW_COLUMNS
 
 
 def key_row(key: str, state: KeyState) -> dict[str, Any]:
@@ -273,16 +303,6 @@ RowTables = dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]
 
 def _column_names(table: sa.Table) -> list[str]:
     return [column.name for column in table.c]
-
-
-def as_tuples(rebuilt: Tables) -> RowTables:
-    """The rebuilt rows in column order (the live tables' form); ``rebuilt`` is emptied as it goes."""
-    tuples: RowTables = {}
-    for table in schema.PROJECTION_TABLES:
-        ordered = operator.itemgetter(*_column_names(table))
-        rows = rebuilt.pop(table.name, {})
-        tuples[table.name] = {key: ordered(row) for key, row in rows.items()}
-    return tuples
 
 
 def as_mappings(table: sa.Table, rows: dict[tuple[Any, ...], tuple[Any, ...]]) -> list[dict[str, Any]]:
@@ -354,7 +374,7 @@ def replay(engine: Engine, backend: Backend, *, repair: bool = False) -> ReplayR
             connection.exec_driver_sql(backend.begin_write_sql if repair else backend.begin_snapshot_sql)
             undecodable: list[tuple[int, str]] = []
             count, folded = rebuild(connection, undecodable)
-            rebuilt = as_tuples(folded)
+            rebuilt = {table.name: folded.row_tuples(table) for table in schema.PROJECTION_TABLES}
             differences = compare(live_tables(connection), rebuilt)
             repaired = False
             if repair and undecodable:

@@ -117,6 +117,7 @@ class Store:
         reopen on next use); PostgreSQL connections stay open and the child leaves them alone.
         """
         if self._calls.hold_for_fork():
+            self._log.hold_checkpoints_for_fork()
             with contextlib.suppress(Exception):  # a broken connection is reopened after the fork anyway
                 self._log.release_writer()
             if self._backend is SQLITE:
@@ -124,6 +125,7 @@ class Store:
                     self._engine.dispose()
 
     def _after_fork_in_parent(self) -> None:
+        self._log.release_checkpoints_after_fork()
         self._calls.release_after_fork()
 
     def _after_fork_in_child(self) -> None:

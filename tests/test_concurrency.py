@@ -54,8 +54,10 @@ def count_batches(target: Store) -> list[int]:
     original = target._log._write_batch
 
     def counting(batch: list[Any]) -> None:
-        sizes.append(len(batch))
-        original(batch)
+        try:
+            original(batch)
+        finally:
+            sizes.append(len(batch))  # after: callers that queue while a batch runs join it
 
     target._log._write_batch = counting  # type: ignore[method-assign]
     return sizes

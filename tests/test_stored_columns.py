@@ -114,3 +114,29 @@ def test_a_record_built_from_components_carries_its_stored_form() -> None:
     assert encode_ids(columns.token_ids) is columns.token_ids._stored
     assert encode_mask(columns.token_mask) is columns.token_mask._stored_mask
     assert encode_floats(columns.log_probs) is columns.log_probs._stored_floats
+
+
+@pytest.mark.parametrize("carry, total", [(0, 3), (2, 5), (5, 5), (3, 70_000)])
+def test_run_masks_of_one_shape_decode_alike_and_cannot_be_changed(carry: int, total: int) -> None:
+    """Every decode of a run mask gives exactly the column that was encoded, read-only
+    (a shared or cached pattern could never be changed through one of its columns)."""
+    stored = encode_mask(FloatColumn.coerce([0.0] * carry + [1.0] * (total - carry), "mask"))
+    first, second = decode_mask(stored), decode_mask(stored)
+    for column in (first, second):
+        assert column.stored_carry() == carry
+        assert column.big_endian_f32().tobytes() == b"\x00" * 4 * carry + b"\x3f\x80\x00\x00" * (total - carry)
+        assert not column.big_endian_f32().flags.writeable
+        with pytest.raises(ValueError):
+            column.big_endian_f32()[0] = 1.0
+    assert first == second
+
+
+def test_stored_log_probs_and_raw_masks_decode_to_their_binary32_values() -> None:
+    """Stored log-probs and raw masks decode to exactly the binary32 values encoded, read-only."""
+    values = [0.0, -0.5, -1e-30, -3.25]
+    assert decode_floats(encode_floats(FloatColumn.coerce(values, "lp"))).tolist() == [
+        float(np.float32(v)) for v in values
+    ]
+    raw = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")))
+    assert raw.tolist() == [1.0, 0.0, 1.0]
+    assert not raw.big_endian_f32().flags.writeable

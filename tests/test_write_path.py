@@ -4,6 +4,7 @@ WAL's size after a long reader, and a durable acknowledgement of a record writte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from factories import make_record
 
 from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_store
+from store import checkpointer as checkpointer_module
 from store import engine as engine_module
 from store import replay as replay_module
 from store.errors import StorageError
@@ -497,6 +499,7 @@ def test_a_replay_repair_holds_the_write_lock_while_it_folds(
 def test_the_wal_is_truncated_after_a_long_reader_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     limit = 256 * 1024
     monkeypatch.setattr(engine_module, "WAL_SIZE_LIMIT_BYTES", limit)
+    monkeypatch.setattr(checkpointer_module, "CHECKPOINT_BYTES", limit)  # checkpoints requested while it grows
     path = tmp_path / "wal.db"
     wal = Path(f"{path}-wal")
     big = [i % 50_000 + 70_000 for i in range(4096)]  # ids beyond u16: 4 bytes each
@@ -510,9 +513,91 @@ def test_the_wal_is_truncated_after_a_long_reader_ends(tmp_path: Path, monkeypat
         assert peak > 16 * limit  # the WAL grew behind the reader
         reader.execute("COMMIT")
         reader.close()
-        for i in range(2):  # the first commit checkpoints everything, the next restarts the WAL
+        # The background checkpointer finishes what the reader held back; the first commit after
+        # that restarts the WAL and truncates it to the limit.
+        deadline = time.monotonic() + HANG
+        i = 0
+        while wal.stat().st_size > limit and time.monotonic() < deadline:
             assert opened.stage(make_record(model_call_id=f"after-{i}")).ok
+            i += 1
+            time.sleep(0.02)
         assert wal.stat().st_size <= limit
+
+
+def test_the_writer_does_not_checkpoint_and_the_wal_stays_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WAL checkpoints run off the committing thread; the -wal still stays bounded (a background
+    PASSIVE checkpoint per CHECKPOINT_BYTES committed, the writer's own past BEHIND_REQUESTS)."""
+    every = 64 * 1024
+    monkeypatch.setattr(checkpointer_module, "CHECKPOINT_BYTES", every)
+    path = tmp_path / "bounded.db"
+    big = [i % 50_000 + 70_000 for i in range(4096)]  # ids beyond u16: about 16 KiB a record
+    with open_store(path, durability="full") as opened:
+        records = [make_record(model_call_id=f"c{i}", generated=big) for i in range(200)]
+        for record in records:
+            assert opened.stage(record).ok
+        writer = opened._log._connection
+        assert writer.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # commits never checkpoint
+        assert any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())
+        # Without checkpoints the -wal would hold all 200 records (over 6 MiB); the writer's own
+        # fallback past 16 requests' worth keeps it near 1 MiB (more only while the thread's
+        # checkpoints keep the writer's from finishing).
+        assert Path(f"{path}-wal").stat().st_size < 4 * 1024 * 1024
+        assert [s.digest for s in opened.fetch([r.staging_key for r in records])] == [r.digest for r in records]
+        assert opened.replay().ok
+    assert not any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())  # stopped
+    with sqlite3.connect(path) as connection:  # what the pool's next user gets back: SQLite's default
+        assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+
+
+def test_a_failing_checkpoint_after_a_commit_does_not_fail_the_committed_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with open_store(tmp_path / "failing-checkpoint.db") as opened:
+        log = opened._log
+        assert log._checkpointer is not None
+        broken = dataclasses.replace(log._backend, checkpoint_sql="PRAGMA wal_checkpoint(NO_SUCH_MODE")
+        monkeypatch.setattr(log, "_backend", broken)
+        monkeypatch.setattr(log._checkpointer, "due_in_line", lambda: True)
+        record = make_record(model_call_id="committed")
+        assert opened.stage(record).ok  # the checkpoint after its commit failed: ignored, tried again later
+        assert opened.fetch([record.staging_key])[0].digest == record.digest
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_while_checkpoints_run_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork waits for a background checkpoint (no connection open across it); the parent and
+    the child each go on staging and checkpointing."""
+    monkeypatch.setattr(checkpointer_module, "CHECKPOINT_BYTES", 16 * 1024)
+    path = tmp_path / "forked.db"
+    big = [i % 50_000 + 70_000 for i in range(4096)]
+
+    def stage_some(opened: Store, prefix: str) -> list[StagedCallRecord]:
+        records = [make_record(model_call_id=f"{prefix}-{i}", generated=big) for i in range(20)]
+        assert all(opened.stage(record).ok for record in records)
+        return records
+
+    with open_store(path) as opened:
+        staged = stage_some(opened, "before")
+        assert any(thread.name == "store-wal-checkpoint" for thread in threading.enumerate())
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                stage_some(opened, "child")
+                code = 0 if opened.replay().ok else 2
+            finally:
+                os._exit(code)
+        staged += stage_some(opened, "parent")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        child = [make_record(model_call_id=f"child-{i}", generated=big) for i in range(20)]
+        everything = staged + child
+        fetched = opened.fetch([record.staging_key for record in everything])
+        assert [s.digest for s in fetched] == [record.digest for record in everything]
+        report = opened.replay()
+        assert report.ok and report.events == 60
 
 
 # --- 17: a durable acknowledgement of a record written without a sync -------------------------------

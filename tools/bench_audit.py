@@ -6,6 +6,8 @@
     that trusts nothing cannot skip: each row's xxh3 event checksum and body decoding, and
     the two other SHA-256 passes over each record's token ids (its chain hash and, for a
     root, its cumulative hash).  floor / baseline says how far the target is reachable.
+    And SQLite's page walk (``PRAGMA quick_check``), which the audit runs, is timed alone in
+    the same rounds: its share of an audit.
 (b) ``Store.replay()`` vs a raw ``sqlite3`` read of the same rows.  Target: <= 2x.
     (tools/bench_replay.py measures replay in blocks, with its own floor.)
 
@@ -186,6 +188,15 @@ def raw_read(path: str) -> int:
     return seen
 
 
+def quick_check(path: str) -> None:
+    """SQLite's page walk of the whole file, which the audit runs (PRAGMA quick_check), alone."""
+    connection = sqlite3.connect(path)
+    try:
+        assert connection.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+    finally:
+        connection.close()
+
+
 def store_audit(path: str) -> tuple[float, float]:
     """Wall and CPU seconds of one ``audit()`` on a freshly opened store (opening and migrating not timed)."""
     with open_store(path) as store:
@@ -217,6 +228,7 @@ def rounds(
     baseline: Callable[[], Any],
     count: int,
     floor: Callable[[], Any] | None = None,
+    part: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """``count`` rounds of thing (which times itself), baseline and (if given) floor back to
     back, rotating which goes first.  Wall and CPU seconds (of this process) are both kept:
@@ -227,6 +239,8 @@ def rounds(
     ]
     if floor is not None:
         steps.append(("floor", lambda: _timed(floor)))
+    if part is not None:  # a piece of the thing, timed alone: its share of the thing
+        steps.append(("part", lambda: _timed(part)))
     for _, step in steps:  # warm the page cache and the code paths
         step()
     times: dict[str, list[float]] = {name: [] for name, _ in steps}
@@ -263,6 +277,15 @@ def rounds(
                 [f / b for f, b in zip(cpu["floor"], cpu["baseline"], strict=True)]
             ),
         }
+    if part is not None:
+        shares = [p / t for p, t in zip(times["part"], times["thing"], strict=True)]
+        result |= {
+            "part_median_s": statistics.median(times["part"]),
+            "part_share_median": statistics.median(shares),
+            "part_ratio_median": statistics.median(
+                [p / b for p, b in zip(times["part"], times["baseline"], strict=True)]
+            ),
+        }
     return result
 
 
@@ -279,7 +302,13 @@ def main() -> int:
         started = time.perf_counter()
         build_store(path, records, args.seed)
         report.notes.append(f"built the store in {fmt_seconds(time.perf_counter() - started)}")
-        audit = rounds(lambda: store_audit(path), lambda: raw_read_and_hash(path), count, lambda: audit_floor(path))
+        audit = rounds(
+            lambda: store_audit(path),
+            lambda: raw_read_and_hash(path),
+            count,
+            lambda: audit_floor(path),
+            lambda: quick_check(path),
+        )
         replay = rounds(lambda: store_replay(path), lambda: raw_read(path), count)
     report.results = {"audit": audit, "replay": replay}
     rows = []
@@ -304,6 +333,10 @@ def main() -> int:
         f"{records} records x {TOKENS} tokens", ["what", "median", "baseline median", "ratio median (min-max)"], rows
     )
     report.notes.append(f"audit / floor (median of rounds): {audit['thing_over_floor_median']:.2f}x")
+    report.notes.append(
+        f"PRAGMA quick_check alone: {fmt_seconds(audit['part_median_s'])}, "
+        f"{audit['part_share_median']:.0%} of an audit, {audit['part_ratio_median']:.2f}x of the baseline"
+    )
     for name, result in (("audit", audit), ("replay", replay)):
         report.notes.append(
             f"{name} CPU-time ratio (this process): {result['cpu_ratio_median']:.2f}x "

@@ -1,13 +1,15 @@
 """Benchmark: ``Store.replay()`` of N events against a raw ``sqlite3`` read of the same rows.
 
-Three things run over the same freshly built store (N records of 4,096 tokens, one event each):
+Four things run over the same freshly built store (N records of 4,096 tokens, one event each):
 
 * ``replay``: ``Store.replay()`` (checks every event's checksum, decodes it, folds the
   projections and compares them with the live tables);
 * ``raw``: a raw ``sqlite3`` read of every row of the log, every column (the target's baseline);
 * ``floor``: the same raw read plus, per row, the store's xxh3 event checksum compared with the
   stored one and the msgpack body decoded by msgspec: the least a replay that trusts nothing
-  must do, with no fold and no comparison (evidence of how far the target is reachable).
+  must do, with no fold and no comparison (evidence of how far the target is reachable);
+* ``floor+live``: that floor plus a raw read of every row of the projection tables (every
+  column), which a replay must read to compare them with its fold (still no fold, no compare).
 
 The machine is shared and noisy, so each round runs a short block of each (the order rotates
 between rounds) and a round's ratio is the ratio of its block medians; the per-round ratios
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, fmt_seconds, parser, temp_dir
 from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 
-from store import Store, open_store
+from store import Store, open_store, schema
 from store.columns import event_checksum
 
 TARGET_RATIO = 2.0
@@ -72,6 +74,24 @@ def floor_read(path: str) -> int:
     return decoded
 
 
+_LIVE_SELECTS = [
+    f"SELECT {', '.join(column.name for column in table.c)} FROM {table.name}" for table in schema.PROJECTION_TABLES
+]
+
+
+def floor_live_read(path: str) -> int:
+    """The floor, plus a raw read of every projection row (what replay compares its fold with)."""
+    decoded = floor_read(path)
+    connection = sqlite3.connect(path)
+    try:
+        for query in _LIVE_SELECTS:
+            for row in connection.execute(query):
+                decoded += len(row)
+    finally:
+        connection.close()
+    return decoded
+
+
 def _timed(fn: Callable[[], Any], cpu: list[float]) -> float:
     """Wall seconds of one call; its CPU seconds (this process) are appended to ``cpu``."""
     gc.collect()
@@ -82,7 +102,7 @@ def _timed(fn: Callable[[], Any], cpu: list[float]) -> float:
 
 
 def run_rounds(path: str, rounds: int, block: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per round: a block of each of replay, raw and floor (rotating order); block medians of
+    """Per round: a block of each of replay, raw, floor and floor+live (rotating order); block medians of
     wall seconds and of CPU seconds.  Other processes on a shared machine stretch the wall
     time of whatever runs while they do; the CPU time of this process is what the work cost."""
     with open_store(path) as store:
@@ -91,6 +111,7 @@ def run_rounds(path: str, rounds: int, block: int) -> tuple[dict[str, list[float
             "replay": replay,
             "raw": lambda: raw_read(path),
             "floor": lambda: floor_read(path),
+            "floor+live": lambda: floor_live_read(path),
         }
         for fn in things.values():  # warm the page cache and the code paths
             fn()
@@ -122,6 +143,8 @@ def _ratios(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
         "replay / raw": per_round("replay", "raw"),
         "floor / raw": per_round("floor", "raw"),
         "replay / floor": per_round("replay", "floor"),
+        "floor+live / raw": per_round("floor+live", "raw"),
+        "replay / floor+live": per_round("replay", "floor+live"),
     }
 
 

@@ -58,21 +58,10 @@ from store.events import (
     TombstoneBody,
 )
 from store.integrity import DECODE_ERRORS, verified_event
-from store.projections import CallState, Event, KeyState, RolloutState, WorkerState
+from store.projections import Event
 from store.queries import record_fields, stored_columns
 from store.records import GenerationCutContinuation, from_json
-from store.replay import (
-    ReplayDifference,
-    UnreadableRow,
-    fold_event,
-    fold_rollout_event,
-    fold_worker_event,
-    key_row,
-    paused_gc,
-    receipt_row,
-    stored_rows,
-    table_rows,
-)
+from store.replay import Folded, ReplayDifference, UnreadableRow, paused_gc, stored_rows, table_rows
 
 Progress = Callable[[int, int], object]
 _PROGRESS_EVERY = 256
@@ -147,11 +136,8 @@ class _Audit:
         self.unreadable_streams: set[tuple[str, str]] = set()
         self.unreadable_keys: set[str] = set()
         # The projections rebuilt by the same folds the write path runs.
-        self.rebuilt_calls: dict[tuple[str, str], CallState] = {}
-        self.rebuilt_keys: dict[str, KeyState] = {}
-        self.rebuilt_receipts: dict[tuple[str, str], int] = {}
-        self.rebuilt_rollouts: dict[str, RolloutState] = {}
-        self.rebuilt_workers: dict[int, WorkerState] = {}
+        self.rebuilt = Folded()
+        self.fold = self.rebuilt.fold
         # Capture keys with a delete (a tombstone): their removed events explain gaps, and
         # the events of theirs the pass meets are kept to check the delete really removed them.
         self.deleted = self._deleted_keys()
@@ -217,9 +203,7 @@ class _Audit:
         except CorruptRecordError as exc:
             self._unreadable(row, exc)
             return
-        fold_event(event, self.rebuilt_calls, self.rebuilt_keys, self.rebuilt_receipts)
-        fold_rollout_event(event, self.rebuilt_rollouts)
-        fold_worker_event(event, self.rebuilt_workers)
+        self.fold(event)
         if event.rollout_id in self.deleted:
             self._deleted_stream(event)
         if event.kind is EventKind.CALL_ADMITTED:
@@ -518,25 +502,14 @@ class _Audit:
     # --- projections against the fold -----------------------------------------------------------
 
     def _projections(self) -> None:
-        rebuilt_keys = {(key,): key_row(key, state) for key, state in self.rebuilt_keys.items()}
-        self.rebuilt_keys.clear()
-        self._compare(schema.staged_keys, ("staging_key",), rebuilt_keys, self._key_problem)
-        rebuilt_calls = {stream: state.to_row() for stream, state in self.rebuilt_calls.items()}
-        self.rebuilt_calls.clear()
-        self._compare(schema.calls, ("rollout_id", "model_call_id"), rebuilt_calls, self._row_problem)
-        receipts = {ident: receipt_row(ident, seq) for ident, seq in self.rebuilt_receipts.items()}
-        self._compare(schema.cut_receipts, ("checkpoint_id", "inventory_digest"), receipts, self._row_problem)
-        rollouts = {(key,): state.to_row() for key, state in self.rebuilt_rollouts.items()}
-        self._compare(schema.rollouts, ("rollout_id",), rollouts, self._row_problem)
-        workers = {(key,): state.to_row() for key, state in self.rebuilt_workers.items()}
-        self._compare(schema.workers, ("join_seq",), workers, self._row_problem)
+        self._compare(schema.staged_keys, ("staging_key",), self._key_problem)
+        self._compare(schema.calls, ("rollout_id", "model_call_id"), self._row_problem)
+        self._compare(schema.cut_receipts, ("checkpoint_id", "inventory_digest"), self._row_problem)
+        self._compare(schema.rollouts, ("rollout_id",), self._row_problem)
+        self._compare(schema.workers, ("join_seq",), self._row_problem)
 
     def _compare(
-        self,
-        table: sa.Table,
-        key_columns: tuple[str, ...],
-        rebuilt: dict[tuple[Any, ...], dict[str, Any]],
-        report: Callable[[ReplayDifference], None],
+        self, table: sa.Table, key_columns: tuple[str, ...], report: Callable[[ReplayDifference], None]
     ) -> None:
         """Stream the live table against the rebuilt rows (each rebuilt row is dropped once matched).
 
@@ -544,16 +517,15 @@ class _Audit:
         mapping is made only for a row that differs.
         """
         names = [column.name for column in table.c]
-        ordered = operator.itemgetter(*names)
-        expected_rows = {key: ordered(row) for key, row in rebuilt.items()}
-        rebuilt.clear()
+        expected_rows = self.rebuilt.row_tuples(table)
         key_of = operator.itemgetter(*(names.index(name) for name in key_columns))
         single = len(key_columns) == 1
+        pop = expected_rows.pop
         seen = 0
         for row in self._live_rows(table):
             key = (key_of(row),) if single else key_of(row)
             seen += 1
-            expected = expected_rows.pop(key, None)
+            expected = pop(key, None)
             if expected != row and not self._skipped(table, key):
                 report(ReplayDifference(table.name, key, _mapping(names, row), _mapping(names, expected)))
         self.counts["projection_rows"] += seen

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from store import schema
 from store.projections import CallState
-from store.queries import Reader
+from store.queries import Reader, plain_rows
 
 _ATTEMPT_KEY = re.compile(r"^(.+)-a([1-9][0-9]*)$", re.S)
 
@@ -95,7 +95,7 @@ class FamilyCall:
 def family_calls(reader: Reader, rollout_id: str) -> list[FamilyCall]:
     """The calls rows of every attempt of ``rollout_id`` (bare), oldest attempt first, then commit order."""
     with reader.connection("reading a rollout's calls") as connection:
-        states = [CallState.from_row(row) for row in connection.execute(_FAMILY_CALLS, family_params(rollout_id))]
+        states = [CallState.from_row(row) for row in plain_rows(connection, _FAMILY_CALLS, family_params(rollout_id))]
     present = {state.rollout_id for state in states}
     found = []
     for state in states:

@@ -27,7 +27,7 @@ from store.lineage.family import (
     split_capture_key,
 )
 from store.projections import TERMINAL_STATES
-from store.queries import Reader, StagedKeyInfo, VersionSpan
+from store.queries import Reader, StagedKeyInfo, VersionSpan, plain_rows
 from store.records import GenerationCutContinuation, from_json
 
 
@@ -123,15 +123,15 @@ def admissions(reader: Reader, rollout_id: str, keys: set[str]) -> dict[tuple[st
     """(capture key, call) -> its newest admission, for the capture keys ``keys`` of one rollout."""
     found: dict[tuple[str, str], Admission] = {}
     with reader.connection("reading admissions") as connection:
-        for row in connection.execute(_FAMILY_ADMISSIONS, family_params(rollout_id)):
-            if row.rollout_id not in keys:
+        for row in plain_rows(connection, _FAMILY_ADMISSIONS, family_params(rollout_id)):
+            if row["rollout_id"] not in keys:
                 continue
-            event = verified_event(row._mapping)
+            event = verified_event(row)
             body = event.body
             if not isinstance(body, AdmissionBody):
-                raise CorruptRecordError(f"{describe(row._mapping)} is not an admission")
+                raise CorruptRecordError(f"{describe(row)} is not an admission")
             found[(event.rollout_id, event.model_call_id)] = Admission(
-                float(row.recorded_at), _continuation(body, row._mapping), int(row.writer_pid)
+                float(row["recorded_at"]), _continuation(body, row), int(row["writer_pid"])
             )
     return found
 
