@@ -174,7 +174,8 @@ class Store:
         is a call's terminal record, its generated tokens produced by its weight version.
         """
         event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
-        return self._log.write(lambda tx: stage_event(tx, event, record.digest))
+        stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
+        return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,))
 
     @operation
     def stage_all(
