@@ -137,6 +137,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.live: dict[tuple[str, str], LiveModel] = {}
         self.acks: dict[tuple[str, str], tuple[GenerationCutPrefixAck, list[int]]] = {}
         self.lost: list[LostCall] = []
+        # Calls a crash left unfinished in the log (admitted, never completed or failed).
+        self.crashed_calls: set[tuple[str, str]] = set()
         self.receipts: list[tuple[GenerationCutInventory, bytes]] = []
         self.counter = 0
         self.forks = 0
@@ -374,6 +376,7 @@ class StoreMachine(RuleBasedStateMachine):
     def crash(self) -> None:
         """Drop all process state: live calls die; those with an acknowledged cut can be restored."""
         self.steps["crash"] += 1
+        self.crashed_calls.update(self.live)
         for key, model in self.live.items():
             acked = self.acks.get(key)
             if acked is not None:
@@ -498,8 +501,14 @@ class StoreMachine(RuleBasedStateMachine):
         if cuts:
             keep += data.draw(st.lists(st.sampled_from(cuts), unique=True))
         # A call still decoding builds its next cut on its staged chunks, so the store keeps
-        # them even when a retain set leaves them out; only cut keys of calls that ended go.
-        live = {k for k in cuts if (self.acked[k].rollout_id, self.acked[k].model_call_id) in self.live}
+        # them even when a retain set leaves them out, unless the capture key is retired; a
+        # call a crash left unfinished looks the same in the log.  Cut keys of calls that ended go.
+        unfinished = self.live.keys() | self.crashed_calls
+        live = {
+            k
+            for k in cuts
+            if (self.acked[k].rollout_id, self.acked[k].model_call_id) in unfinished and key not in self.fenced
+        }
         removal = self.store.retain(keep, capture_keys=[key])
         dropped = set(owned) - set(keep) - live
         assert dropped <= set(removal.removed) and not set(removal.removed) & (set(keep) | live)

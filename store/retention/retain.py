@@ -10,7 +10,8 @@ them; ``Store.delete`` is what gives space back.
 The cut keys of a call still decoding on a live capture key are never withdrawn: its next
 cut's receipt names them again (its durable prefix is built on them), so withdrawing them
 would acknowledge keys that no longer fetch.  A retain set computed before that call's
-latest cut is a race, not the framework's intent.
+latest cut is a race, not the framework's intent.  A call a crash left unfinished looks the
+same in the log: its cut keys go once its capture key is retired (a restore retires it).
 """
 
 from __future__ import annotations
