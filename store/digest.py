@@ -375,6 +375,17 @@ _ZERO_F32 = b"\x00\x00\x00\x00"
 _ONE_F32 = b"\x3f\x80\x00\x00"
 
 
+def _stored_hex(value: Any) -> bytes:
+    """``hex_digest_bytes`` for exact strings (what a decoded body holds), in C: the raw bytes
+    of exactly 64 lowercase hex characters; ValueError for anything else."""
+    if type(value) is not str or len(value) != 64:
+        raise ValueError("not a hex digest")
+    raw = bytes.fromhex(value)
+    if raw.hex() != value:  # uppercase, or whitespace that fromhex skips
+        raise ValueError("not a lowercase hex digest")
+    return raw
+
+
 def stored_record_digest(
     body: Any, token_ids: bytes, token_mask: bytes, log_probs: bytes
 ) -> tuple[str, TokenIds] | None:
@@ -398,8 +409,14 @@ def stored_record_digest(
         carry = int.from_bytes(token_mask[1:9], "big")
         if int.from_bytes(token_mask[9:17], "big") != count or carry > count:
             return None
-        # A carry position (mask 0.0) must have log-prob 0.0 (-0.0 passes: the sign bit is ignored).
-        if carry and (np.frombuffer(log_probs, dtype=_U32_BE, count=carry, offset=1) & 0x7FFFFFFF).any():
+        # A carry position (mask 0.0) must have log-prob 0.0 (-0.0 passes: the sign bit is
+        # ignored).  All-zero bytes hold exactly ``carry`` non-overlapping zero words (one
+        # nonzero byte leaves fewer); only otherwise are the words read as numbers.
+        if (
+            carry
+            and log_probs.count(_ZERO_F32, 1, 1 + 4 * carry) != carry
+            and (np.frombuffer(log_probs, dtype=_U32_BE, count=carry, offset=1) & 0x7FFFFFFF).any()
+        ):
             return None
         schema_version, parent_call_id, mode = body.schema_version, body.parent_call_id, body.mode
         prev_len, delta_len, cum_len = body.prev_len, body.delta_len, body.cum_len
@@ -411,7 +428,7 @@ def stored_record_digest(
         if delta_len == 0 or delta_len != count or cum_len != prev_len + delta_len:
             return None
         delta_bytes, cum_bytes = u64(delta_len, "delta_len"), u64(cum_len, "cum_len")
-        extras_raw = hex_digest_bytes(body.extras_digest, "extras_digest")
+        extras_raw = _stored_hex(body.extras_digest)
         head = b"".join(
             (
                 STAGING_CALL_DOMAIN,
@@ -431,8 +448,10 @@ def stored_record_digest(
         tail = b"".join(
             (
                 extras_raw,
-                _present_digest(body.chain_hash, "chain_hash"),
-                _present_digest(body.cumulative_hash, "cumulative_hash"),
+                b"\x01",
+                _stored_hex(body.chain_hash),
+                b"\x01",
+                _stored_hex(body.cumulative_hash),
             )
         )
     except (DigestValueError, DigestTypeError, ValueError, TypeError, OverflowError):
