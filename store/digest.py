@@ -365,6 +365,106 @@ def _staging_digest_and_columns(
     return hasher.hexdigest(), columns
 
 
+# The stored forms the audit's fast path reads (store.columns: encode_ids, encode_mask, encode_floats).
+_STORED_IDS: dict[bytes, np.dtype[Any]] = {b"4": np.dtype("<u4"), b"8": np.dtype("<u8")}
+_STORED_RUN_MASK = b"R"
+_STORED_F32 = b"F"
+_U64_BE = np.dtype(">u8")
+_U32_BE = np.dtype(">u4")
+_ZERO_F32 = b"\x00\x00\x00\x00"
+_ONE_F32 = b"\x3f\x80\x00\x00"
+
+
+def _stored_hex(value: Any) -> bytes:
+    """``hex_digest_bytes`` for exact strings (what a decoded body holds), in C: the raw bytes
+    of exactly 64 lowercase hex characters; ValueError for anything else."""
+    if type(value) is not str or len(value) != 64:
+        raise ValueError("not a hex digest")
+    raw = bytes.fromhex(value)
+    if raw.hex() != value:  # uppercase, or whitespace that fromhex skips
+        raise ValueError("not a lowercase hex digest")
+    return raw
+
+
+def stored_record_digest(
+    body: Any, token_ids: bytes, token_mask: bytes, log_probs: bytes
+) -> tuple[str, TokenIds] | None:
+    """A stored record's staging digest hashed from its stored column bytes, and its token ids.
+
+    A read-side fast path for the common layout (u32 or u64 ids, a carry-then-generation
+    mask, raw binary32 log-probs): it makes every check ``staging_digest_and_columns`` makes
+    and hashes the same bytes, without building float columns.  None when anything is
+    unusual or invalid: the caller then runs ``staging_digest_and_columns``, which names it.
+    """
+    try:
+        dtype = _STORED_IDS.get(token_ids[:1])
+        if dtype is None or len(token_ids) % dtype.itemsize != 1:
+            return None
+        ids = np.frombuffer(token_ids, dtype=dtype, offset=1).astype(_U64_BE)
+        count = len(ids)
+        if len(token_mask) != 17 or token_mask[:1] != _STORED_RUN_MASK:
+            return None
+        if log_probs[:1] != _STORED_F32 or len(log_probs) != 1 + 4 * count:
+            return None
+        carry = int.from_bytes(token_mask[1:9], "big")
+        if int.from_bytes(token_mask[9:17], "big") != count or carry > count:
+            return None
+        # A carry position (mask 0.0) must have log-prob 0.0 (-0.0 passes: the sign bit is
+        # ignored).  All-zero bytes hold exactly ``carry`` non-overlapping zero words (one
+        # nonzero byte leaves fewer); only otherwise are the words read as numbers.
+        if (
+            carry
+            and log_probs.count(_ZERO_F32, 1, 1 + 4 * carry) != carry
+            and (np.frombuffer(log_probs, dtype=_U32_BE, count=carry, offset=1) & 0x7FFFFFFF).any()
+        ):
+            return None
+        schema_version, parent_call_id, mode = body.schema_version, body.parent_call_id, body.mode
+        prev_len, delta_len, cum_len = body.prev_len, body.delta_len, body.cum_len
+        _check_versions(schema_version, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
+        if not body.rollout_id or not body.model_call_id or parent_call_id == "" or mode not in CAPTURE_MODES:
+            return None
+        if (prev_len != 0 or mode != "text") if parent_call_id is None else (prev_len == 0 or mode != "token_in"):
+            return None
+        if delta_len == 0 or delta_len != count or cum_len != prev_len + delta_len:
+            return None
+        delta_bytes, cum_bytes = u64(delta_len, "delta_len"), u64(cum_len, "cum_len")
+        extras_raw = _stored_hex(body.extras_digest)
+        head = b"".join(
+            (
+                STAGING_CALL_DOMAIN,
+                bytes((schema_version, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)),
+                _text(body.rollout_id, "rollout_id"),
+                _text(body.model_call_id, "model_call_id"),
+                b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"),
+                _text(mode, "mode"),
+                u64(prev_len, "prev_len"),
+                delta_bytes,
+                cum_bytes,
+                u64(body.weight_version, "weight_version"),
+                _PACK_U64(8 + 8 * count),
+                _PACK_U64(count),
+            )
+        )
+        tail = b"".join(
+            (
+                extras_raw,
+                b"\x01",
+                _stored_hex(body.chain_hash),
+                b"\x01",
+                _stored_hex(body.cumulative_hash),
+            )
+        )
+    except (DigestValueError, DigestTypeError, ValueError, TypeError, OverflowError):
+        return None
+    float_header = _PACK_U64(8 + 4 * count) + _PACK_U64(count)
+    hasher = hashlib.sha256(head)
+    hasher.update(ids.data)
+    hasher.update(b"".join((float_header, _ZERO_F32 * carry, _ONE_F32 * (count - carry), float_header)))
+    hasher.update(memoryview(log_probs)[1:])
+    hasher.update(tail)
+    return hasher.hexdigest(), TokenIds(ids)
+
+
 def _check_versions(schema_version: Any, digest_version: Any, extras_digest_version: Any) -> None:
     if type(schema_version) is not int or schema_version not in SUPPORTED_SCHEMA_VERSIONS:
         raise DigestValueError(f"unsupported schema_version {schema_version!r}; supported: 2 and 3")

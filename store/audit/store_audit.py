@@ -38,13 +38,14 @@ from store.audit.report import (
     AuditProblem,
     AuditReport,
 )
-from store.columns import decode_ids
+from store.columns import TokenIds, decode_ids
 from store.digest import (
     CUMULATIVE_DOMAIN,
     PackedColumns,
     compute_chain_hash,
     hash_token_columns,
     staging_digest_and_columns,
+    stored_record_digest,
 )
 from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError, StoreError
@@ -255,9 +256,10 @@ class _Audit:
         key = event.staging_key
         assert key is not None  # verified_event refuses a record event without its key
         self.counts["records"] += 1
-        columns = self._verified_columns(event, row)
-        if columns is None:
+        verified = self._verified_ids(event, row)
+        if verified is None:
             return
+        token_ids, columns = verified
         record = _Record(
             seq=event.seq,
             kind=event.kind,
@@ -275,20 +277,31 @@ class _Audit:
         )
         self.records_by_key[key] = record
         call = self.calls.setdefault((event.rollout_id, event.model_call_id), _Call())
-        if not self._check_chain(record, columns.token_ids, call):
+        if not self._check_chain(record, token_ids, call):
             self.deferred.append(record)
-        if record.parent_call_id is None and hash_token_columns(columns.token_ids) != record.cumulative_hash:
+        if record.parent_call_id is None and hash_token_columns(token_ids) != record.cumulative_hash:
             reason = "the cumulative hash of a root record is not the hash of its tokens"
             self.problem(CUMULATIVE, reason, **_where(record))
         if event.kind is EventKind.CALL_COMPLETED:
             self.by_chain.setdefault(record.chain_hash, record)
             call.completed = record
             if call.restored is not None:
-                self._check_resumed(record, columns, call.restored)
+                self._check_resumed(record, columns or stored_columns(row), call.restored)
 
-    def _verified_columns(self, event: Event, row: Mapping[str, Any]) -> PackedColumns | None:
-        """The record's columns once its digest recomputes from them and its body (else a problem)."""
+    def _verified_ids(self, event: Event, row: Mapping[str, Any]) -> tuple[TokenIds, PackedColumns | None] | None:
+        """The record's token ids once its digest recomputes from its columns and its body (else
+        a problem), and its unpacked columns when they were built (the general path)."""
         body: RecordBody = event.body
+        ids, mask, log_probs = bytes(row["token_ids"]), bytes(row["token_mask"]), bytes(row["log_probs"])
+        # The common layout is hashed from the stored bytes; anything else (or anything
+        # invalid) takes the general path, which validates, unpacks and names the problem.
+        fast = stored_record_digest(body, ids, mask, log_probs)
+        if fast is not None:
+            digest, token_ids = fast
+            if digest != body.digest:
+                self.problem(DIGEST, "its record does not match its staged digest", **_event_where(event))
+                return None
+            return token_ids, None
         try:
             columns = stored_columns(row)
             digest, columns = staging_digest_and_columns(
@@ -305,7 +318,7 @@ class _Audit:
         if digest != body.digest:
             self.problem(DIGEST, "its record does not match its staged digest", **_event_where(event))
             return None
-        return columns
+        return columns.token_ids, columns
 
     def _check_chain(self, record: _Record, ids: Any, call: _Call) -> bool:
         """Recompute the record's chain hash from its parent's; False when the parent is not known yet."""
