@@ -432,7 +432,8 @@ class _Pending(Generic[T]):
         # Set (holding the log's lock) when the caller should look again: its batch was written,
         # or the writer role is free and it is first in the queue.  Each waiting caller has its
         # own, so a commit wakes exactly its callers, none of them contending for the log's lock.
-        self.wake = threading.Event()
+        # Made only when the caller first has to wait: a caller that leads at once never needs one.
+        self.wake: threading.Event | None = None
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -528,6 +529,7 @@ class EventLog:
             if self._settled_or_leading(pending):
                 return
         while True:
+            assert pending.wake is not None  # made by _settled_or_leading before it said wait
             pending.wake.wait()
             with self._lock:
                 if self._settled_or_leading(pending):
@@ -539,7 +541,11 @@ class EventLog:
         if pending.done:
             return True
         if self._leader is not None:
-            pending.wake.clear()  # every set happens under the lock: none is lost before the wait
+            # Every set happens under the lock: none is lost before the wait.
+            if pending.wake is None:
+                pending.wake = threading.Event()
+            else:
+                pending.wake.clear()
             return False
         self._leader = pending  # one assignment: from here on _leave gives the role back
         self._batch_started = False
@@ -565,13 +571,16 @@ class EventLog:
             self._recent_batches.append(max(1, len(self._batch)))
             self._expected = max(self._recent_batches)
             for other in self._batch:
-                if other.done:
+                if other.done and other.wake is not None:  # None: it never waited (this leader's own)
                     other.wake.set()
-            self._finished.notify_all()  # close() waits for the role (before it is given back: a repeat notifies again)
+            if self._closed:  # close() waits for the role (before it is given back: a repeat notifies again)
+                self._finished.notify_all()
             self._batch = []
             self._leader = None
         if self._leader is None and self._queue:
-            self._queue[0].wake.set()  # the role is free: the first waiting caller takes it
+            first = self._queue[0].wake  # the role is free: the first waiting caller takes it
+            if first is not None:  # (None: it queued but has not yet looked, and will under the lock)
+                first.set()
 
     def _settle_orphan(self, pending: _Pending[Any]) -> None:
         """A follower whose leader was interrupted (called holding the lock)."""
@@ -815,7 +824,8 @@ class EventLog:
                 if pending is not self._leader:
                     pending.error = StoreClosedError("this store was closed before the write began")
                     pending.done = True
-                    pending.wake.set()
+                    if pending.wake is not None:
+                        pending.wake.set()
             self._queue = [pending for pending in self._queue if pending is self._leader]
             self._finished.notify_all()
             while self._leader is not None:
