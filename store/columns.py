@@ -614,6 +614,49 @@ _checksummed_values = operator.itemgetter(*CHECKSUMMED_COLUMNS)
 _INLINE_BYTES = 1024  # shorter bytes values (bodies, small columns) join the pending update
 
 
+class ChecksumParts:
+    """An event's ``event_checksum`` framing, made before the write lock: everything but the
+    three columns only the append knows (stream_version, writer_pid, recorded_at), which
+    ``checksum`` frames between the parts.  The same bytes as ``event_checksum`` hashes."""
+
+    __slots__ = ("head", "middle", "tail")
+
+    def __init__(
+        self,
+        rollout_id: str,
+        model_call_id: str,
+        kind: str,
+        staging_key: str | None,
+        stored: tuple[bytes, bytes | None, bytes | None, bytes | None],
+    ) -> None:
+        self.head = _CHECKSUM_LAYOUT + _framed(rollout_id) + _framed(model_call_id)
+        self.middle = _framed(kind) + _framed(staging_key)
+        tail: list[bytes] = []
+        pending = b""
+        for value in stored:  # body, token_ids, token_mask, log_probs
+            if value is None:
+                pending += _NULL
+                continue
+            if not isinstance(value, bytes):
+                raise TypeError(f"a stored event column cannot hold a {type(value).__name__}")
+            header = b"b" + len(value).to_bytes(8, "big")
+            if len(value) < _INLINE_BYTES:
+                pending += header + value
+            else:  # hashed in place, not copied
+                tail += (pending + header, value)
+                pending = b""
+        tail.append(pending)
+        self.tail = tuple(tail)
+
+    def checksum(self, stream_version: int, writer_pid: int, recorded_at: float) -> bytes:
+        hasher = xxhash.xxh3_128(
+            self.head + _framed(stream_version) + self.middle + _framed(writer_pid) + _framed(recorded_at)
+        )
+        for piece in self.tail:
+            hasher.update(piece)
+        return hasher.digest()
+
+
 def _framed(value: Any) -> bytes:
     if value is None:
         return _NULL

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
 from store.checkpointer import Checkpointer
-from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
+from store.columns import ChecksumParts, encode_floats, encode_ids, encode_mask
 from store.digest import PackedColumns
 from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
 from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
@@ -67,6 +67,8 @@ class NewEvent:
     # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
     stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
     size: int = field(init=False, repr=False, compare=False)  # bytes of the stored form (checkpoint pacing)
+    # Its checksum's framing, also made here: the append only frames version, pid and time.
+    checksum_parts: ChecksumParts = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         columns = self.columns
@@ -80,6 +82,8 @@ class NewEvent:
             stored, size = (body, ids, mask, log_probs), len(body) + len(ids) + len(mask) + len(log_probs)
         object.__setattr__(self, "stored", stored)
         object.__setattr__(self, "size", size)
+        parts = ChecksumParts(self.rollout_id, self.model_call_id, self.kind.value, self.staging_key, stored)
+        object.__setattr__(self, "checksum_parts", parts)
 
 
 class _Statements:
@@ -319,6 +323,7 @@ class WriteTransaction:
                 last_version = self._execute(self._sql.stream_version, values).fetchone()[0] or 0
             version = last_version + 1
         body, token_ids, token_mask, log_probs = new.stored
+        recorded_at = time.time() if new.recorded_at is None else new.recorded_at
         stored: dict[str, Any] = {
             "rollout_id": new.rollout_id,
             "model_call_id": new.model_call_id,
@@ -326,13 +331,14 @@ class WriteTransaction:
             "kind": kind.value,
             "staging_key": new.staging_key,
             "writer_pid": self._pid,
-            "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
+            "recorded_at": recorded_at,
             "body": body,
             "token_ids": token_ids,
             "token_mask": token_mask,
             "log_probs": log_probs,
         }
-        stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
+        # Covers every column that says what the event is (``event_checksum``'s bytes).
+        stored["checksum"] = new.checksum_parts.checksum(version, self._pid, recorded_at)
         row = self._execute(self._sql.insert_event, stored).fetchone()
         seq = int(row[0])
         self.appended += 1
