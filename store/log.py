@@ -30,6 +30,7 @@ from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, S
 from store.events import RECORD_KINDS, EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
 from store.projections import (
+    CALL_ROW_COLUMNS,
     ROLLOUT_COLUMNS,
     ROLLOUT_KINDS,
     CallState,
@@ -92,10 +93,11 @@ class _Statements:
     def __init__(self, engine: Engine) -> None:
         events, keys, calls, receipts = schema.events, schema.staged_keys, schema.calls, schema.cut_receipts
         event_columns = [c for c in events.c if c.name != "seq"]
-        self.insert_event = Statement(
-            sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns}).returning(events.c.seq),
-            engine,
-        )
+        insert_event = sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns})
+        self.insert_event = Statement(insert_event.returning(events.c.seq), engine)
+        # Where the driver binds by position in these orders (SQLite), the append passes its
+        # values as a tuple: no dict per row to be picked apart again.
+        self.event_tuple = _binds_in_order(insert_event.returning(events.c.seq), engine, EVENT_INSERT_COLUMNS)
         self.stream_version = Statement(
             sa.select(sa.func.max(events.c.stream_version)).where(
                 events.c.rollout_id == sa.bindparam("rollout_id"),
@@ -109,7 +111,9 @@ class _Statements:
             ),
             engine,
         )
-        self.insert_key = Statement(sa.insert(keys).values({c: sa.bindparam(c.name) for c in keys.c}), engine)
+        insert_key = sa.insert(keys).values({c: sa.bindparam(c.name) for c in keys.c})
+        self.insert_key = Statement(insert_key, engine)
+        self.key_tuple = _binds_in_order(insert_key, engine, KEY_INSERT_COLUMNS)
         self.delete_key = Statement(sa.delete(keys).where(keys.c.staging_key == sa.bindparam("staging_key")), engine)
         self.call_columns = [c.name for c in calls.c]
         self.select_call = Statement(
@@ -119,7 +123,9 @@ class _Statements:
             ),
             engine,
         )
-        self.insert_call = Statement(sa.insert(calls).values({c: sa.bindparam(c.name) for c in calls.c}), engine)
+        insert_call = sa.insert(calls).values({c: sa.bindparam(c.name) for c in calls.c})
+        self.insert_call = Statement(insert_call, engine)
+        self.call_tuple = _binds_in_order(insert_call, engine, CALL_ROW_COLUMNS)
         updated = [c for c in calls.c if c.name not in ("rollout_id", "model_call_id")]
         self.update_call = Statement(
             sa.update(calls)
@@ -176,6 +182,19 @@ class _Statements:
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
+
+
+EVENT_INSERT_COLUMNS = (
+    "rollout_id", "model_call_id", "stream_version", "kind", "staging_key", "writer_pid", "recorded_at",
+    "body", "token_ids", "token_mask", "log_probs", "checksum",
+)
+KEY_INSERT_COLUMNS = ("staging_key", "event_seq", "rollout_id", "model_call_id", "digest")
+
+
+def _binds_in_order(statement: sa.sql.ClauseElement, engine: Engine, names: tuple[str, ...]) -> bool:
+    """Whether the dialect binds ``statement``'s parameters by position, in exactly ``names``'s order."""
+    order = getattr(statement.compile(dialect=engine.dialect), "positiontup", None)
+    return order is not None and tuple(order) == names
 
 
 def _stage_lookup(engine: Engine) -> Statement:
@@ -237,6 +256,13 @@ class WriteTransaction:
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
+
+    def _insert(self, statement: Statement, in_order: bool, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+        """Run an insert given its values in ``names``'s order: as they are where the driver binds
+        them in that order (``in_order``), else by name."""
+        if in_order:
+            return self._cursor.execute(statement.sql, values)
+        return self._execute(statement, dict(zip(names, values, strict=True)))
 
     def key(self, staging_key: str) -> KeyState | None:
         row = self._execute(self._sql.select_key, {"staging_key": staging_key}).fetchone()
@@ -324,22 +350,15 @@ class WriteTransaction:
             version = last_version + 1
         body, token_ids, token_mask, log_probs = new.stored
         recorded_at = time.time() if new.recorded_at is None else new.recorded_at
-        stored: dict[str, Any] = {
-            "rollout_id": new.rollout_id,
-            "model_call_id": new.model_call_id,
-            "stream_version": version,
-            "kind": kind.value,
-            "staging_key": new.staging_key,
-            "writer_pid": self._pid,
-            "recorded_at": recorded_at,
-            "body": body,
-            "token_ids": token_ids,
-            "token_mask": token_mask,
-            "log_probs": log_probs,
-        }
+        pid = self._pid
         # Covers every column that says what the event is (``event_checksum``'s bytes).
-        stored["checksum"] = new.checksum_parts.checksum(version, self._pid, recorded_at)
-        row = self._execute(self._sql.insert_event, stored).fetchone()
+        checksum = new.checksum_parts.checksum(version, pid, recorded_at)
+        event_row = (
+            new.rollout_id, new.model_call_id, version, kind.value, new.staging_key, pid, recorded_at,
+            body, token_ids, token_mask, log_probs, checksum,
+        )
+        sql = self._sql
+        row = self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).fetchone()
         seq = int(row[0])
         self.appended += 1
         self.appended_bytes += new.size
@@ -371,12 +390,13 @@ class WriteTransaction:
             self._project_worker(worker, event)
 
     def _project_call(self, event: Event, current: CallState | None) -> None:
-        row = fold_call(current, event).to_row()
+        folded = fold_call(current, event)
         if current is None:
-            self._execute(self._sql.insert_call, row)
-        else:
-            row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
-            self._execute(self._sql.update_call, row)
+            self._insert(self._sql.insert_call, self._sql.call_tuple, CALL_ROW_COLUMNS, folded.row_values())
+            return
+        row = folded.to_row()
+        row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
+        self._execute(self._sql.update_call, row)
 
     def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
@@ -384,16 +404,8 @@ class WriteTransaction:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():
             # Callers append a record only under a key they found free in this transaction.
-            self._execute(
-                self._sql.insert_key,
-                {
-                    "staging_key": key,
-                    "event_seq": state.event_seq,
-                    "rollout_id": state.rollout_id,
-                    "model_call_id": state.model_call_id,
-                    "digest": state.digest,
-                },
-            )
+            values = (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
+            self._insert(self._sql.insert_key, self._sql.key_tuple, KEY_INSERT_COLUMNS, values)
 
     def _project_worker(self, key: int, event: Event) -> None:
         """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""

@@ -703,6 +703,14 @@ def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypat
         return original(self, statement, values)
 
     monkeypatch.setattr(WriteTransaction, "_execute", counting)
+    original_insert = WriteTransaction._insert
+
+    def counting_insert(self: WriteTransaction, statement: Any, in_order: bool, names: Any, values: Any) -> Any:
+        if in_order:  # else it runs through _execute, counted there
+            executed.append(statement.sql.split()[0].upper())
+        return original_insert(self, statement, in_order, names, values)
+
+    monkeypatch.setattr(WriteTransaction, "_insert", counting_insert)
     store = open_store(store_url)
     try:
         record = make_record(rollout_id="lean")
