@@ -747,7 +747,9 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
         body_ = FailureBody(reason="x" * 3000)  # a body hashed in place (past the inline size)
         event = NewEvent(EventKind.CALL_FAILED, record.rollout_id, record.model_call_id, body_, staging_key)
     body, ids, mask, log_probs = event.stored
-    for version, pid, recorded_at in ((1, 1, 0.0), (2**40, os.getpid(), time.time()), (7, 2**31 - 1, 1.5e9)):
+    cases: list[tuple[int, int, Any]] = [(1, 1, 0.0), (2**40, os.getpid(), time.time()), (7, 2**31 - 1, 1.5e9)]
+    cases.append((3, 5, 1_700_000_000))  # an int time: framed as an int, as event_checksum does
+    for version, pid, recorded_at in cases:
         row = {
             "rollout_id": event.rollout_id, "model_call_id": event.model_call_id, "stream_version": version,
             "kind": event.kind.value, "staging_key": staging_key, "writer_pid": pid, "recorded_at": recorded_at,
