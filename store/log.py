@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -225,9 +225,9 @@ def _stage_lookup(engine: Engine) -> Statement:
     return Statement(sa.select(*picked).select_from(joined), engine)
 
 
-@dataclass(frozen=True)
-class StageLookup:
-    """What one stage found in the transaction (``WriteTransaction.stage_lookup``)."""
+class StageLookup(NamedTuple):
+    """What one stage found in the transaction (``WriteTransaction.stage_lookup``); a named
+    tuple: built once per stage inside the batch, where a frozen dataclass costs more."""
 
     key: KeyState | None
     call: CallState | None
