@@ -629,8 +629,8 @@ class ChecksumParts:
         staging_key: str | None,
         stored: tuple[bytes, bytes | None, bytes | None, bytes | None],
     ) -> None:
-        self.head = _CHECKSUM_LAYOUT + _framed(rollout_id) + _framed(model_call_id)
-        self.middle = _framed(kind) + _framed(staging_key)
+        self.head = _CHECKSUM_LAYOUT + _framed_text(rollout_id) + _framed_text(model_call_id)
+        self.middle = _framed_text(kind) + (_NULL if staging_key is None else _framed_text(staging_key))
         tail: list[bytes] = []
         pending = b""
         for value in stored:  # body, token_ids, token_mask, log_probs
@@ -664,6 +664,14 @@ class ChecksumParts:
 
 
 _pack_double = struct.Struct(">d").pack
+
+
+def _framed_text(value: Any) -> bytes:
+    """``_framed`` of a text column, a plain str without its type tests."""
+    if type(value) is not str:
+        return _framed(value)
+    data = value.encode("utf-8", "surrogatepass")
+    return b"s" + len(data).to_bytes(8, "big") + data
 
 
 def _framed(value: Any) -> bytes:
