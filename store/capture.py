@@ -29,6 +29,7 @@ from store.errors import (
     AdmissionTypeError,
     CaptureError,
     DigestValueError,
+    RolloutFencedError,
     StreamingUnsupportedError,
 )
 from store.events import AdmissionBody, EventKind, Span
@@ -288,6 +289,8 @@ class RolloutTokenCapture:
         log.warning("capture of %s/%s failed: %s", admission.rollout_id, admission.model_call_id, reason)
         try:
             self.store.record_failure(admission.rollout_id, admission.model_call_id, reason)
+        except RolloutFencedError as exc:  # a retired attempt: expected after a restore, no trace
+            log.warning("the capture failure of %s was not recorded: %s", call, exc)
         except Exception:  # the failure is already carried by the coords; the log is best effort here
             log.exception("could not record the capture failure of %s", call)
         return CommitCoords(

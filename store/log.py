@@ -13,19 +13,29 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
 from store.checkpointer import Checkpointer
 from store.columns import ChecksumParts, encode_floats, encode_ids, encode_mask
 from store.digest import PackedColumns
-from store.engine import Backend, Statement, driver_errors, raw_write_transaction, storage_error, sync_file
+from store.engine import (
+    Backend,
+    DeferredStatementError,
+    Statement,
+    driver_errors,
+    lock_wait_ended,
+    raw_write_transaction,
+    storage_error,
+    sync_file,
+)
 from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
 from store.events import RECORD_KINDS, EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
@@ -98,6 +108,8 @@ class _Statements:
         # Where the driver binds by position in these orders (SQLite), the append passes its
         # values as a tuple: no dict per row to be picked apart again.
         self.event_tuple = _binds_in_order(insert_event.returning(events.c.seq), engine, EVENT_INSERT_COLUMNS)
+        # PostgreSQL: the seq was taken ahead (``take_seq``), so nothing is read back.
+        self.insert_event_at = Statement(sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c}), engine)
         self.stream_version = Statement(
             sa.select(sa.func.max(events.c.stream_version)).where(
                 events.c.rollout_id == sa.bindparam("rollout_id"),
@@ -178,6 +190,9 @@ class _Statements:
             engine,
         )
         self.stage_lookup = _stage_lookup(engine)
+        postgres = engine.dialect.name == "postgresql"
+        self.stage_lookups = _stage_lookups(engine) if postgres else None
+        self.stage_lookup_seq = _stage_lookup(engine, next_seq=True) if postgres else None
         workers = schema.workers
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
@@ -197,9 +212,10 @@ def _binds_in_order(statement: sa.sql.ClauseElement, engine: Engine, names: tupl
     return order is not None and tuple(order) == names
 
 
-def _stage_lookup(engine: Engine) -> Statement:
+def _stage_lookup(engine: Engine, *, next_seq: bool = False) -> Statement:
     """Everything a stage reads, in one statement: the capture key's fence, the staging key,
-    the calls row and the stream's last version (one row always: primary-key left joins)."""
+    the calls row and the stream's last version (one row always: primary-key left joins).
+    ``next_seq`` (PostgreSQL): and, last, the next event seq, taken under the write lock."""
     events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
     rollout_id: sa.BindParameter[str] = sa.bindparam("rollout_id")
     model_call_id: sa.BindParameter[str] = sa.bindparam("model_call_id")
@@ -222,7 +238,47 @@ def _stage_lookup(engine: Engine) -> Statement:
         keys.c.model_call_id,
     ]
     picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
+    if next_seq:
+        picked.append(sa.literal_column("nextval(pg_get_serial_sequence('events', 'seq'))").label("next_seq"))
     return Statement(sa.select(*picked).select_from(joined), engine)
+
+
+def _stage_lookups(engine: Engine) -> Statement:
+    """PostgreSQL: ``_stage_lookup`` for many streams at once (arrays of rollouts, calls and
+    keys, unnested; one row per stream, in the order given)."""
+    events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
+    texts = postgresql.ARRAY(sa.String)
+    wanted = (
+        sa.func.unnest(
+            sa.bindparam("rollout_ids", type_=texts),
+            sa.bindparam("model_call_ids", type_=texts),
+            sa.bindparam("staging_keys", type_=texts),
+        )
+        .table_valued("rollout_id", "model_call_id", "staging_key", with_ordinality="n")
+        .render_derived(name="wanted")
+    )
+    last_version = (
+        sa.select(sa.func.max(events.c.stream_version))
+        .where(events.c.rollout_id == wanted.c.rollout_id, events.c.model_call_id == wanted.c.model_call_id)
+        .scalar_subquery()
+    )
+    joined = (
+        wanted.outerjoin(rollouts, rollouts.c.rollout_id == wanted.c.rollout_id)
+        .outerjoin(keys, keys.c.staging_key == wanted.c.staging_key)
+        .outerjoin(
+            calls,
+            sa.and_(calls.c.rollout_id == wanted.c.rollout_id, calls.c.model_call_id == wanted.c.model_call_id),
+        )
+    )
+    picked: list[sa.ColumnElement[Any]] = [
+        rollouts.c.fenced,
+        rollouts.c.fence_seq,
+        keys.c.event_seq,
+        keys.c.rollout_id,
+        keys.c.model_call_id,
+    ]
+    picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
+    return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
 
 
 class StageLookup(NamedTuple):
@@ -246,13 +302,65 @@ class WriteTransaction:
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
         self._unfenced: set[str] = set()
         self.last_seq: int | None = None  # the sequence number of the last event appended
+        self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
+        # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
+        self._ahead: dict[tuple[str, str, str], Any] = {}
+        self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = {}
+        self._ahead_by_key: dict[str, tuple[str, str, str]] = {}
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
+        self._forget_all_ahead()  # it may change what a read-ahead lookup saw
         return self._execute(statement, values)
 
     def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
+        self._forget_all_ahead()
         self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
+
+    def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
+        """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each) with one
+        statement, and take the seqs of ``appends`` events, in one round trip.  A lookup is
+        used by ``stage_lookup`` only while nothing written since could have changed it (no
+        event of its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
+        statement = self._sql.stage_lookups
+        side_cursor = getattr(self._cursor, "side_cursor", None)
+        if statement is None or side_cursor is None:
+            return
+        if self._takes_seqs:
+            self._cursor.reserve_seqs(appends)
+        wanted = list(dict.fromkeys(streams))
+        if not wanted:
+            return
+        values = {
+            "rollout_ids": [stream[0] for stream in wanted],
+            "model_call_ids": [stream[1] for stream in wanted],
+            "staging_keys": [stream[2] for stream in wanted],
+        }
+        cursor = side_cursor()
+        try:
+            rows = cursor.execute(statement.sql, statement.params(values)).fetchall()
+        finally:
+            cursor.close()
+        for stream, row in zip(wanted, rows, strict=True):
+            self._ahead[stream] = row
+            self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
+            self._ahead_by_key[stream[2]] = stream
+
+    def _forget_ahead(self, rollout_id: str, keys: Any) -> None:
+        """Drop read-ahead lookups an append made stale (its rollout's, or naming its keys)."""
+        if not self._ahead:
+            return
+        for stream in self._ahead_by_rollout.pop(rollout_id, ()):
+            self._ahead.pop(stream, None)
+        for key in keys:
+            named = self._ahead_by_key.pop(key, None)
+            if named is not None:
+                self._ahead.pop(named, None)
+
+    def _forget_all_ahead(self) -> None:
+        self._ahead.clear()
+        self._ahead_by_rollout.clear()
+        self._ahead_by_key.clear()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
@@ -310,10 +418,18 @@ class WriteTransaction:
     def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
         """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
         returns the staging key's row, the calls row and the stream's last version."""
-        row = self._execute(
-            self._sql.stage_lookup,
-            {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key},
-        ).fetchone()
+        row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
+        if row is None:
+            # PostgreSQL: the event's seq comes with this read (one statement fewer).
+            take_seq = self._takes_seqs and self._sql.stage_lookup_seq is not None and self._cursor.needs_seq()
+            statement = self._sql.stage_lookup_seq if take_seq else self._sql.stage_lookup
+            assert statement is not None
+            row = self._execute(
+                statement, {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key}
+            ).fetchone()
+            if take_seq:
+                self._cursor.give_seq(int(row[-1]))
+                row = row[:-1]
         if rollout_id not in self._unfenced:
             if row[0]:
                 raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
@@ -358,8 +474,13 @@ class WriteTransaction:
             body, token_ids, token_mask, log_probs, checksum,
         )
         sql = self._sql
-        row = self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).fetchone()
-        seq = int(row[0])
+        if self._takes_seqs:
+            seq = int(self._cursor.take_seq())
+            stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
+            stored["seq"] = seq
+            self._execute(sql.insert_event_at, stored)  # not waited for (pipeline)
+        else:
+            seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).fetchone()[0])
         self.appended += 1
         self.appended_bytes += new.size
         self.last_seq = seq
@@ -400,6 +521,7 @@ class WriteTransaction:
 
     def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
+        self._forget_ahead(event.rollout_id, (*added, *removed))
         for key in removed:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():
@@ -426,6 +548,13 @@ class WriteTransaction:
             self._execute(self._sql.update_rollout, row)
         self._unfenced.discard(event.rollout_id)
 
+    def settle(self) -> None:
+        """Wait for every statement sent so far and raise the first failure (PostgreSQL sends
+        statements in a pipeline; SQLite has run them already)."""
+        settle = getattr(self._cursor, "settle", None)
+        if settle is not None:
+            settle()
+
     def savepoint(self, name: str) -> None:
         self._cursor.execute(f"SAVEPOINT {name}")
 
@@ -433,6 +562,7 @@ class WriteTransaction:
         self._cursor.execute(f"RELEASE SAVEPOINT {name}")
 
     def rollback_to(self, name: str) -> None:
+        self._forget_all_ahead()
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
@@ -441,11 +571,14 @@ class _FailedCaller(Exception):
 
 
 class _Pending(Generic[T]):
-    __slots__ = ("done", "durable", "error", "result", "wake", "work")
+    __slots__ = ("ahead", "done", "durable", "error", "result", "wake", "work")
 
-    def __init__(self, work: Callable[[WriteTransaction], T], durable: bool) -> None:
+    def __init__(
+        self, work: Callable[[WriteTransaction], T], durable: bool, ahead: Sequence[tuple[str, str, str]] = ()
+    ) -> None:
         self.work = work
         self.durable = durable
+        self.ahead = ahead
         self.done = False
         # Set (holding the log's lock) when the caller should look again: its batch was written,
         # or the writer role is free and it is first in the queue.  Each waiting caller has its
@@ -516,16 +649,24 @@ class EventLog:
         self._fairy: Any = None  # the pool's wrapper of _connection, kept to return it
         self._commit_mode: bool | None = None  # the writer connection's current durability
 
-    def write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
+    def write(
+        self,
+        work: Callable[[WriteTransaction], T],
+        *,
+        durable: bool = True,
+        ahead: Sequence[tuple[str, str, str]] = (),
+    ) -> T:
         """Run ``work`` in a write transaction and return its result once committed.
 
         ``durable=False`` is for bookkeeping events that hold no staged tokens: their commit
-        does not wait for the disk unless a durable write shares the batch.  Raises
+        does not wait for the disk unless a durable write shares the batch.  ``ahead``: the
+        (rollout, call, key) of each record ``work`` stages, read ahead for the whole batch
+        in one round trip on PostgreSQL (``WriteTransaction.read_ahead``).  Raises
         ``StoreClosedError`` if the log is closed before the write began.
         """
         if self._read_only:
             raise ReadOnlyStoreError("this store was opened read-only; nothing was written")
-        pending: _Pending[T] = _Pending(work, durable)
+        pending: _Pending[T] = _Pending(work, durable, ahead)
         try:
             self._take_turn(pending)
             if self._leader is pending:
@@ -682,6 +823,10 @@ class EventLog:
                     if len(batch) == 1 or isolate:
                         return  # the failing caller's error is set; nothing was committed
                     isolate = True
+                except DeferredStatementError as exc:
+                    if isolate:
+                        raise exc.cause from None
+                    isolate = True  # a pipelined statement failed: find whose, each caller settled
         except BaseException as exc:
             if not isinstance(exc, StoreError):
                 self._discard_writer()  # the connection's state is unknown after a driver error
@@ -704,6 +849,9 @@ class EventLog:
         began = time.monotonic()
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
             transaction = WriteTransaction(cursor, self._statements, self._pid)
+            if len(batch) > 1:  # a lone stage reads its lookup in the round trip of its BEGIN
+                streams = [stream for pending in batch for stream in pending.ahead]
+                transaction.read_ahead(streams, len(streams))
             index = 0
             while True:
                 while index < len(batch):
@@ -755,7 +903,11 @@ class EventLog:
         appended = transaction.appended
         try:
             pending.result = pending.work(transaction)
+            if savepoint is not None:
+                transaction.settle()  # its own statements' errors are its own
         except self._driver_errors as exc:
+            if lock_wait_ended(exc):
+                raise  # the write lock, not this caller: the whole batch fails
             pending.error = storage_error("writing to the store", exc)
             pending.error.__cause__ = exc
         except Exception as exc:  # reported to its own caller; the batch's other work stands

@@ -173,8 +173,9 @@ class Store:
         ``kind`` and ``spans`` let the capture mark cut prefixes and chunks; the default
         is a call's terminal record, its generated tokens produced by its weight version.
         """
-        event = self._record_event(record, staging_key, kind, spans, completion)
-        return self._log.write(lambda tx: stage_event(tx, event, record.digest))
+        event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
+        stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
+        return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,))
 
     @operation
     def stage_all(
@@ -185,10 +186,7 @@ class Store:
         Raises ``StagingRefusedError`` (nothing written) if any key holds a different record.
         Used by generation cuts, whose acknowledgements must all hold before any is sealed.
         """
-        events = [
-            self._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
-            for entry in arguments.sequence_of("entries", entries, StageEntry)
-        ]
+        events = [self._record_event(entry) for entry in arguments.sequence_of("entries", entries, StageEntry)]
         receipt_event = None
         if cut_receipt is not None:
             checkpoint_id, inventory_digest, receipt = arguments.cut_receipt(cut_receipt)
@@ -213,28 +211,21 @@ class Store:
 
         return self._log.write(work)
 
-    def _record_event(
-        self,
-        record: StagedCallRecord,
-        staging_key: str | None,
-        kind: EventKind,
-        spans: Sequence[Span] | None,
-        completion: Completion | None,
-    ) -> NewEvent:
-        """The event of one record to stage (a ``StageEntry``'s fields, passed as they are: no
-        entry is built per ``stage()``); every argument is checked here, before any write."""
+    def _record_event(self, entry: StageEntry) -> NewEvent:
+        """The event of one record to stage; every argument is checked here, before any write."""
+        record = entry.record
         if not isinstance(record, StagedCallRecord):
             raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
-        kind = arguments.record_kind(kind)
-        key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, staging_key, kind)
+        kind = arguments.record_kind(entry.kind)
+        key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, entry.staging_key, kind)
         arguments.extras(record.extras, record.extras_digest)
         columns = record.columns
-        if spans is None:  # a terminal record: its generated tokens, at its version
-            chosen = generated_spans(columns.token_mask, record.weight_version)
+        if entry.spans is None:  # a terminal record: its generated tokens, at its version
+            spans = generated_spans(columns.token_mask, record.weight_version)
         else:
-            chosen = arguments.spans(spans, columns.token_mask, kind)
-        body = record_body(record, chosen, arguments.completion(completion))
+            spans = arguments.spans(entry.spans, columns.token_mask, kind)
+        body = record_body(record, spans, arguments.completion(entry.completion))
         return NewEvent(kind, rollout_id, model_call_id, body, key, columns)
 
     @operation

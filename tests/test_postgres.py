@@ -17,11 +17,13 @@ from conftest import POSTGRES_URL, reset_postgres
 from factories import make_record
 
 import store.engine as engine_module
-from store import ConfigurationError, StorageError, Store, open_store
-from store.engine import write_lock_id
+from store import ConfigurationError, RolloutFencedError, StageEntry, StorageError, Store, open_store
+from store.engine import Statement, write_lock_id
 from store.events import EventKind, FailureBody
-from store.log import NewEvent, WriteTransaction
+from store.log import NewEvent, WriteTransaction, _Pending
+from store.retention import removal
 from store.schema import SCHEMA_REVISION
+from store.staging_rules import stage_event
 
 needs_postgres = pytest.mark.skipif(POSTGRES_URL is None, reason="STORE_TEST_POSTGRES_URL is not set")
 
@@ -303,6 +305,68 @@ def _seqs_after(store_url: str, last: int) -> list[int]:
     with engine.connect() as connection:
         rows = connection.exec_driver_sql("SELECT seq FROM events WHERE seq > %(last)s ORDER BY seq", {"last": last})
         return [row[0] for row in rows]
+
+
+# --- the pipelined write path (PostgreSQL sends a write transaction as one pipeline) -----------
+
+
+def _staging(target: Store, record: Any, staging_key: str | None = None) -> _Pending[Any]:
+    """A pending stage as ``Store.stage`` queues it, read-ahead hint included."""
+    event = target._record_event(StageEntry(record, staging_key))
+    stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
+    return _Pending(lambda tx: stage_event(tx, event, record.digest), True, (stream,))
+
+
+def test_a_failing_statement_whose_result_is_never_read_fails_its_own_write_alone(store_url: str) -> None:
+    """On PostgreSQL the error only surfaces at COMMIT (nothing read it before): the batch runs
+    again with each caller settled, so the caller that sent it gets it and the others commit."""
+    with open_store(store_url) as target:
+        missing = Statement(sa.text("SELECT * FROM no_such_table WHERE x = :x"), target._engine)
+
+        def bad(tx: WriteTransaction) -> int:
+            seq = tx.append(failure_event("bad"))
+            tx.run(missing, {"x": 1})  # its result is never read
+            return seq
+
+        with pytest.raises(StorageError, match=r"writing to the store failed.*no_such_table"):
+            target._write(bad)
+        good = _Pending(lambda tx: tx.append(failure_event("good")), True)
+        failing = _Pending(bad, True)
+        target._log._write_batch([good, failing])
+        assert good.error is None and isinstance(good.result, int)
+        assert isinstance(failing.error, StorageError) and "no_such_table" in str(failing.error)
+        assert _seqs(store_url) == [good.result]
+        assert target.audit().ok
+
+
+def test_a_batch_reads_its_checks_ahead_and_never_uses_one_a_write_before_it_made_stale(store_url: str) -> None:
+    """One group-commit batch: the same record twice (the second writes nothing), another record
+    of the same call under its key (refused), and a stage queued behind a fence of its capture key
+    (refused) -- each decided on what the batch wrote before it, not on the lookups read ahead."""
+    with open_store(store_url) as target:
+        first = make_record(rollout_id="r1", model_call_id="c1")
+        other = make_record(rollout_id="r1", model_call_id="c1", generated=(30, 31))
+        late = make_record(rollout_id="r3", model_call_id="c3")
+        batch = [
+            _staging(target, first),
+            _staging(target, first),
+            _staging(target, other),
+            _staging(target, make_record(rollout_id="r3", model_call_id="c0")),
+            _Pending(lambda tx: removal.retire(tx, target._retention, ["r3"]), True),
+            _staging(target, late),
+        ]
+        target._log._write_batch(batch)
+        assert [pending.result.ok if pending.error is None else None for pending in batch[:4]] == [
+            True,
+            True,
+            False,
+            True,
+        ]
+        assert isinstance(batch[5].error, RolloutFencedError)
+        assert [key.staging_key for key in target.staged_keys()] == sorted(
+            [first.staging_key, make_record(rollout_id="r3", model_call_id="c0").staging_key]
+        )
+        assert target.audit().ok
 
 
 @needs_postgres

@@ -453,3 +453,18 @@ def test_serving_a_cut_of_a_retired_capture_key_is_refused_and_stages_nothing(st
     inventory = GenerationCutInventory.build(checkpoint_id="ck", server_name="policy", active_prefixes=[ticket])
     with writes_nothing(store), pytest.raises(GenerationCutError, match="'r0' was retired"):
         capture.serve_generation_cut(inventory)
+
+
+def test_failing_a_call_of_a_retired_capture_key_logs_one_line_and_writes_nothing(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a restore retired the attempt, its worker failing a call is expected: the coords
+    say failed, the fence refuses the failure event, and the log says so without a trace."""
+    capture, _ = make_capture(store, 7)
+    call = capture.begin_call(root_admission())
+    store.retire(["r0"])
+    with writes_nothing(store), caplog.at_level("WARNING", logger="store"):
+        coords = capture.fail_call(call, reason="engine died")
+    assert coords.disposition == "capture_failed"
+    refused = [record for record in caplog.records if "was not recorded" in record.getMessage()]
+    assert len(refused) == 1 and refused[0].exc_info is None and "retired" in refused[0].getMessage()

@@ -636,19 +636,34 @@ def test_a_durable_restage_on_postgres_commits_a_record_that_flushes_the_log(sto
         xids: list[Any] = []
         writer = durable._log._writer
 
+        class RecordingCursor:
+            """The write transaction's cursor; notes whether its COMMIT carries a transaction id."""
+
+            def __init__(self, cursor: Any) -> None:
+                self._cursor = cursor
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._cursor, name)
+
+            def execute(self, sql: Any, *args: Any, **kwargs: Any) -> Any:
+                if sql == "COMMIT":  # the write path sends COMMIT in its pipeline
+                    xids.append(self._cursor.execute("SELECT txid_current_if_assigned()").fetchone()[0])
+                return self._cursor.execute(sql, *args, **kwargs)
+
         class Recording:
-            """The writer connection; notes whether each commit carries a transaction id."""
+            """The writer connection, handing out recording cursors."""
 
             def __init__(self, connection: Any) -> None:
-                self._connection = connection
+                object.__setattr__(self, "_connection", connection)
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self._connection, name)
 
-            def commit(self) -> None:
-                with self._connection.cursor() as cursor:
-                    xids.append(cursor.execute("SELECT txid_current_if_assigned()").fetchone()[0])
-                self._connection.commit()
+            def __setattr__(self, name: str, value: Any) -> None:
+                setattr(self._connection, name, value)
+
+            def cursor(self) -> RecordingCursor:
+                return RecordingCursor(self._connection.cursor())
 
         durable._log._writer = lambda: Recording(writer())  # type: ignore[method-assign]
         assert durable.stage(record).ok

@@ -127,6 +127,7 @@ def receive(
     # Another ship of the same source may have committed these first: skip what it did.
     items = [item for item in items if known is None or item.source_seq > known]
     here = _already_here(tx, statements, target_store_id, items)
+    _read_ahead(tx, [item for item in items if (item.origin.store_id, item.origin.seq) not in here])
     for item in items:
         origin = (item.origin.store_id, item.origin.seq)
         if origin in here:
@@ -155,6 +156,16 @@ def receive(
         else:
             tx.run(statements.update_source, {"b_source_store_id": source_store_id, "last_seq": received.last_seq})
     return received
+
+
+def _read_ahead(tx: WriteTransaction, items: list[SourceEvent]) -> None:
+    """One round trip for the batch's record lookups and seqs instead of one per event."""
+    streams = [
+        (item.event.rollout_id, item.event.model_call_id, item.event.staging_key)
+        for item in items
+        if item.event.kind in RECORD_KINDS and item.event.staging_key is not None
+    ]
+    tx.read_ahead(streams, len(items))
 
 
 def _already_here(

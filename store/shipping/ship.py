@@ -10,6 +10,8 @@ and an event that reached the target by any path is never appended twice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from store.errors import InvalidRecordError
@@ -35,40 +37,65 @@ def ship_log(source: Store, target: Store, progress: Progress | None) -> ShipRep
     target_id = target._known_id()
     if source_id == target_id:
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
-    totals = {"appended": 0, "present": 0}
-    last = start
-    problems: list[ShipProblem] = []
-    with source._reader.connection("reading the log to ship") as connection:
-        total = count_after(connection, start)
+    tally = _Tally(last=start)
+    # The next batch is read and verified here while a writer thread applies this one to the
+    # target (its write path takes callers from any thread).  The next batch is sent only
+    # once this one committed without a problem: a ship still stops at its first problem.
+    with source._reader.connection("reading the log to ship") as connection, ThreadPoolExecutor(1) as writer:
+        tally.total = count_after(connection, start)
         connection.rollback()
-        _report(progress, 0, total)
+        _report(progress, 0, tally.total)
+        writing: Future[tuple[Received, ShipProblem | None]] | None = None
+        bad: Unshippable | None = None
         for batch in batches(connection, source_id, start, BATCH_EVENTS):
             verified, bad = _until_unshippable(batch)
-            received, problem = _ship_batch(target, statements, source_id, target_id, verified)
-            totals["appended"] += received.appended
-            totals["present"] += received.present
-            if received.last_seq is not None:
-                last = max(last, received.last_seq)
-            problem = problem or (None if bad is None else _corrupt(bad))
-            if problem is not None:
-                problems.append(problem)
+            if writing is not None and not tally.settle(writing.result(), progress):
+                writing = None  # stopped at the problem: this batch is not sent
                 break
-            done = totals["appended"] + totals["present"]
-            total = max(total, done)  # events staged in the source while it ships
-            _report(progress, done, total)
-    done = totals["appended"] + totals["present"]
-    if not problems and done != total:
+            writing = writer.submit(_ship_batch, target, statements, source_id, target_id, verified)
+            if bad is not None:
+                break  # the events before the damaged one go; shipping stops at it
+        if writing is not None and tally.settle(writing.result(), progress) and bad is not None:
+            tally.problems.append(_corrupt(bad))
+    done = tally.appended + tally.present
+    if not tally.problems and done != tally.total:
         _report(progress, done, done)
     return ShipReport(
-        ok=not problems,
+        ok=not tally.problems,
         source_store_id=source_id,
         target_store_id=target_id,
         read=done,
-        appended=totals["appended"],
-        present=totals["present"],
-        last_seq=last,
-        problems=tuple(problems),
+        appended=tally.appended,
+        present=tally.present,
+        last_seq=tally.last,
+        problems=tuple(tally.problems),
     )
+
+
+@dataclass
+class _Tally:
+    """What the ship did so far."""
+
+    last: int
+    total: int = 0
+    appended: int = 0
+    present: int = 0
+    problems: list[ShipProblem] = field(default_factory=list)
+
+    def settle(self, shipped: tuple[Received, ShipProblem | None], progress: Progress | None) -> bool:
+        """Count a written batch; False (its problem noted) when shipping stops there."""
+        received, problem = shipped
+        self.appended += received.appended
+        self.present += received.present
+        if received.last_seq is not None:
+            self.last = max(self.last, received.last_seq)
+        if problem is not None:
+            self.problems.append(problem)
+            return False
+        done = self.appended + self.present
+        self.total = max(self.total, done)  # events staged in the source while it ships
+        _report(progress, done, self.total)
+        return True
 
 
 def _until_unshippable(batch: list[SourceEvent | Unshippable]) -> tuple[list[SourceEvent], Unshippable | None]:
