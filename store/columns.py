@@ -614,6 +614,66 @@ _checksummed_values = operator.itemgetter(*CHECKSUMMED_COLUMNS)
 _INLINE_BYTES = 1024  # shorter bytes values (bodies, small columns) join the pending update
 
 
+class ChecksumParts:
+    """An event's ``event_checksum`` framing, made before the write lock: everything but the
+    three columns only the append knows (stream_version, writer_pid, recorded_at), which
+    ``checksum`` frames between the parts.  The same bytes as ``event_checksum`` hashes."""
+
+    __slots__ = ("head", "middle", "tail")
+
+    def __init__(
+        self,
+        rollout_id: str,
+        model_call_id: str,
+        kind: str,
+        staging_key: str | None,
+        stored: tuple[bytes, bytes | None, bytes | None, bytes | None],
+    ) -> None:
+        self.head = _CHECKSUM_LAYOUT + _framed_text(rollout_id) + _framed_text(model_call_id)
+        self.middle = _framed_text(kind) + (_NULL if staging_key is None else _framed_text(staging_key))
+        tail: list[bytes] = []
+        pending = b""
+        for value in stored:  # body, token_ids, token_mask, log_probs
+            if value is None:
+                pending += _NULL
+                continue
+            if not isinstance(value, bytes):
+                raise TypeError(f"a stored event column cannot hold a {type(value).__name__}")
+            header = b"b" + len(value).to_bytes(8, "big")
+            if len(value) < _INLINE_BYTES:
+                pending += header + value
+            else:  # hashed in place, not copied
+                tail += (pending + header, value)
+                pending = b""
+        tail.append(pending)
+        self.tail = tuple(tail)
+
+    def checksum(self, stream_version: int, writer_pid: int, recorded_at: float) -> bytes:
+        if type(stream_version) is int and type(writer_pid) is int and type(recorded_at) is float:
+            # The append's own types: ``_framed``'s bytes without its type tests.
+            known = (
+                self.head + b"i" + stream_version.to_bytes(8, "big", signed=True) + self.middle
+                + b"i" + writer_pid.to_bytes(8, "big", signed=True) + b"f" + _pack_double(recorded_at)
+            )
+        else:
+            known = self.head + _framed(stream_version) + self.middle + _framed(writer_pid) + _framed(recorded_at)
+        hasher = xxhash.xxh3_128(known)
+        for piece in self.tail:
+            hasher.update(piece)
+        return hasher.digest()
+
+
+_pack_double = struct.Struct(">d").pack
+
+
+def _framed_text(value: Any) -> bytes:
+    """``_framed`` of a text column, a plain str without its type tests."""
+    if type(value) is not str:
+        return _framed(value)
+    data = value.encode("utf-8", "surrogatepass")
+    return b"s" + len(data).to_bytes(8, "big") + data
+
+
 def _framed(value: Any) -> bytes:
     if value is None:
         return _NULL

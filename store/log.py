@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 import sqlalchemy as sa
@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
 from store.checkpointer import Checkpointer
-from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
+from store.columns import ChecksumParts, encode_floats, encode_ids, encode_mask
 from store.digest import PackedColumns
 from store.engine import (
     Backend,
@@ -40,6 +40,7 @@ from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, S
 from store.events import RECORD_KINDS, EventKind, decode_body, encode_body
 from store.lifecycle import repeat_through_interrupts
 from store.projections import (
+    CALL_ROW_COLUMNS,
     ROLLOUT_COLUMNS,
     ROLLOUT_KINDS,
     CallState,
@@ -77,6 +78,8 @@ class NewEvent:
     # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
     stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
     size: int = field(init=False, repr=False, compare=False)  # bytes of the stored form (checkpoint pacing)
+    # Its checksum's framing, also made here: the append only frames version, pid and time.
+    checksum_parts: ChecksumParts = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         columns = self.columns
@@ -90,6 +93,8 @@ class NewEvent:
             stored, size = (body, ids, mask, log_probs), len(body) + len(ids) + len(mask) + len(log_probs)
         object.__setattr__(self, "stored", stored)
         object.__setattr__(self, "size", size)
+        parts = ChecksumParts(self.rollout_id, self.model_call_id, self.kind.value, self.staging_key, stored)
+        object.__setattr__(self, "checksum_parts", parts)
 
 
 class _Statements:
@@ -98,10 +103,11 @@ class _Statements:
     def __init__(self, engine: Engine) -> None:
         events, keys, calls, receipts = schema.events, schema.staged_keys, schema.calls, schema.cut_receipts
         event_columns = [c for c in events.c if c.name != "seq"]
-        self.insert_event = Statement(
-            sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns}).returning(events.c.seq),
-            engine,
-        )
+        insert_event = sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns})
+        self.insert_event = Statement(insert_event.returning(events.c.seq), engine)
+        # Where the driver binds by position in these orders (SQLite), the append passes its
+        # values as a tuple: no dict per row to be picked apart again.
+        self.event_tuple = _binds_in_order(insert_event.returning(events.c.seq), engine, EVENT_INSERT_COLUMNS)
         # PostgreSQL: the seq was taken ahead (``take_seq``), so nothing is read back.
         self.insert_event_at = Statement(sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c}), engine)
         self.stream_version = Statement(
@@ -117,7 +123,9 @@ class _Statements:
             ),
             engine,
         )
-        self.insert_key = Statement(sa.insert(keys).values({c: sa.bindparam(c.name) for c in keys.c}), engine)
+        insert_key = sa.insert(keys).values({c: sa.bindparam(c.name) for c in keys.c})
+        self.insert_key = Statement(insert_key, engine)
+        self.key_tuple = _binds_in_order(insert_key, engine, KEY_INSERT_COLUMNS)
         self.delete_key = Statement(sa.delete(keys).where(keys.c.staging_key == sa.bindparam("staging_key")), engine)
         self.call_columns = [c.name for c in calls.c]
         self.select_call = Statement(
@@ -127,7 +135,9 @@ class _Statements:
             ),
             engine,
         )
-        self.insert_call = Statement(sa.insert(calls).values({c: sa.bindparam(c.name) for c in calls.c}), engine)
+        insert_call = sa.insert(calls).values({c: sa.bindparam(c.name) for c in calls.c})
+        self.insert_call = Statement(insert_call, engine)
+        self.call_tuple = _binds_in_order(insert_call, engine, CALL_ROW_COLUMNS)
         updated = [c for c in calls.c if c.name not in ("rollout_id", "model_call_id")]
         self.update_call = Statement(
             sa.update(calls)
@@ -187,6 +197,19 @@ class _Statements:
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
+
+
+EVENT_INSERT_COLUMNS = (
+    "rollout_id", "model_call_id", "stream_version", "kind", "staging_key", "writer_pid", "recorded_at",
+    "body", "token_ids", "token_mask", "log_probs", "checksum",
+)
+KEY_INSERT_COLUMNS = ("staging_key", "event_seq", "rollout_id", "model_call_id", "digest")
+
+
+def _binds_in_order(statement: sa.sql.ClauseElement, engine: Engine, names: tuple[str, ...]) -> bool:
+    """Whether the dialect binds ``statement``'s parameters by position, in exactly ``names``'s order."""
+    order = getattr(statement.compile(dialect=engine.dialect), "positiontup", None)
+    return order is not None and tuple(order) == names
 
 
 def _stage_lookup(engine: Engine, *, next_seq: bool = False) -> Statement:
@@ -258,9 +281,9 @@ def _stage_lookups(engine: Engine) -> Statement:
     return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
 
 
-@dataclass(frozen=True)
-class StageLookup:
-    """What one stage found in the transaction (``WriteTransaction.stage_lookup``)."""
+class StageLookup(NamedTuple):
+    """What one stage found in the transaction (``WriteTransaction.stage_lookup``); a named
+    tuple: built once per stage inside the batch, where a frozen dataclass costs more."""
 
     key: KeyState | None
     call: CallState | None
@@ -341,6 +364,13 @@ class WriteTransaction:
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
         return self._cursor.execute(statement.sql, statement.params(values))
+
+    def _insert(self, statement: Statement, in_order: bool, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+        """Run an insert given its values in ``names``'s order: as they are where the driver binds
+        them in that order (``in_order``), else by name."""
+        if in_order:
+            return self._cursor.execute(statement.sql, values)
+        return self._execute(statement, dict(zip(names, values, strict=True)))
 
     def key(self, staging_key: str) -> KeyState | None:
         row = self._execute(self._sql.select_key, {"staging_key": staging_key}).fetchone()
@@ -435,26 +465,22 @@ class WriteTransaction:
                 last_version = self._execute(self._sql.stream_version, values).fetchone()[0] or 0
             version = last_version + 1
         body, token_ids, token_mask, log_probs = new.stored
-        stored: dict[str, Any] = {
-            "rollout_id": new.rollout_id,
-            "model_call_id": new.model_call_id,
-            "stream_version": version,
-            "kind": kind.value,
-            "staging_key": new.staging_key,
-            "writer_pid": self._pid,
-            "recorded_at": time.time() if new.recorded_at is None else new.recorded_at,
-            "body": body,
-            "token_ids": token_ids,
-            "token_mask": token_mask,
-            "log_probs": log_probs,
-        }
-        stored["checksum"] = event_checksum(stored)  # covers every column that says what the event is
+        recorded_at = time.time() if new.recorded_at is None else new.recorded_at
+        pid = self._pid
+        # Covers every column that says what the event is (``event_checksum``'s bytes).
+        checksum = new.checksum_parts.checksum(version, pid, recorded_at)
+        event_row = (
+            new.rollout_id, new.model_call_id, version, kind.value, new.staging_key, pid, recorded_at,
+            body, token_ids, token_mask, log_probs, checksum,
+        )
+        sql = self._sql
         if self._takes_seqs:
             seq = int(self._cursor.take_seq())
+            stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
             stored["seq"] = seq
-            self._execute(self._sql.insert_event_at, stored)  # not waited for (pipeline)
+            self._execute(sql.insert_event_at, stored)  # not waited for (pipeline)
         else:
-            seq = int(self._execute(self._sql.insert_event, stored).fetchone()[0])
+            seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).fetchone()[0])
         self.appended += 1
         self.appended_bytes += new.size
         self.last_seq = seq
@@ -485,12 +511,13 @@ class WriteTransaction:
             self._project_worker(worker, event)
 
     def _project_call(self, event: Event, current: CallState | None) -> None:
-        row = fold_call(current, event).to_row()
+        folded = fold_call(current, event)
         if current is None:
-            self._execute(self._sql.insert_call, row)
-        else:
-            row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
-            self._execute(self._sql.update_call, row)
+            self._insert(self._sql.insert_call, self._sql.call_tuple, CALL_ROW_COLUMNS, folded.row_values())
+            return
+        row = folded.to_row()
+        row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
+        self._execute(self._sql.update_call, row)
 
     def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
@@ -499,16 +526,8 @@ class WriteTransaction:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():
             # Callers append a record only under a key they found free in this transaction.
-            self._execute(
-                self._sql.insert_key,
-                {
-                    "staging_key": key,
-                    "event_seq": state.event_seq,
-                    "rollout_id": state.rollout_id,
-                    "model_call_id": state.model_call_id,
-                    "digest": state.digest,
-                },
-            )
+            values = (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
+            self._insert(self._sql.insert_key, self._sql.key_tuple, KEY_INSERT_COLUMNS, values)
 
     def _project_worker(self, key: int, event: Event) -> None:
         """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""
@@ -564,7 +583,8 @@ class _Pending(Generic[T]):
         # Set (holding the log's lock) when the caller should look again: its batch was written,
         # or the writer role is free and it is first in the queue.  Each waiting caller has its
         # own, so a commit wakes exactly its callers, none of them contending for the log's lock.
-        self.wake = threading.Event()
+        # Made only when the caller first has to wait: a caller that leads at once never needs one.
+        self.wake: threading.Event | None = None
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -668,6 +688,7 @@ class EventLog:
             if self._settled_or_leading(pending):
                 return
         while True:
+            assert pending.wake is not None  # made by _settled_or_leading before it said wait
             pending.wake.wait()
             with self._lock:
                 if self._settled_or_leading(pending):
@@ -679,7 +700,11 @@ class EventLog:
         if pending.done:
             return True
         if self._leader is not None:
-            pending.wake.clear()  # every set happens under the lock: none is lost before the wait
+            # Every set happens under the lock: none is lost before the wait.
+            if pending.wake is None:
+                pending.wake = threading.Event()
+            else:
+                pending.wake.clear()
             return False
         self._leader = pending  # one assignment: from here on _leave gives the role back
         self._batch_started = False
@@ -705,13 +730,16 @@ class EventLog:
             self._recent_batches.append(max(1, len(self._batch)))
             self._expected = max(self._recent_batches)
             for other in self._batch:
-                if other.done:
+                if other.done and other.wake is not None:  # None: it never waited (this leader's own)
                     other.wake.set()
-            self._finished.notify_all()  # close() waits for the role (before it is given back: a repeat notifies again)
+            if self._closed:  # close() waits for the role (before it is given back: a repeat notifies again)
+                self._finished.notify_all()
             self._batch = []
             self._leader = None
         if self._leader is None and self._queue:
-            self._queue[0].wake.set()  # the role is free: the first waiting caller takes it
+            first = self._queue[0].wake  # the role is free: the first waiting caller takes it
+            if first is not None:  # (None: it queued but has not yet looked, and will under the lock)
+                first.set()
 
     def _settle_orphan(self, pending: _Pending[Any]) -> None:
         """A follower whose leader was interrupted (called holding the lock)."""
@@ -966,7 +994,8 @@ class EventLog:
                 if pending is not self._leader:
                     pending.error = StoreClosedError("this store was closed before the write began")
                     pending.done = True
-                    pending.wake.set()
+                    if pending.wake is not None:
+                        pending.wake.set()
             self._queue = [pending for pending in self._queue if pending is self._leader]
             self._finished.notify_all()
             while self._leader is not None:

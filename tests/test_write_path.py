@@ -718,6 +718,14 @@ def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypat
         return original(self, statement, values)
 
     monkeypatch.setattr(WriteTransaction, "_execute", counting)
+    original_insert = WriteTransaction._insert
+
+    def counting_insert(self: WriteTransaction, statement: Any, in_order: bool, names: Any, values: Any) -> Any:
+        if in_order:  # else it runs through _execute, counted there
+            executed.append(statement.sql.split()[0].upper())
+        return original_insert(self, statement, in_order, names, values)
+
+    monkeypatch.setattr(WriteTransaction, "_insert", counting_insert)
     store = open_store(store_url)
     try:
         record = make_record(rollout_id="lean")
@@ -729,3 +737,37 @@ def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypat
         assert store.call("lean", record.model_call_id) is not None
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("columns", [True, False])
+@pytest.mark.parametrize("staging_key", ["k-1", None])
+def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
+    columns: bool, staging_key: str | None
+) -> None:
+    """``NewEvent`` frames its checksum before the write lock; the append's bytes must be
+    exactly those ``event_checksum`` (what every read verifies) hashes over the stored row."""
+    from store.columns import event_checksum
+    from store.events import EventKind, FailureBody, record_body
+    from store.log import NewEvent
+    from store.projections import generated_spans
+
+    record = make_record(rollout_id="r-\u00e9\U0001f600", model_call_id="c-1")
+    if columns:
+        spans = generated_spans(record.columns.token_mask, record.weight_version)
+        event = NewEvent(
+            EventKind.CALL_COMPLETED, record.rollout_id, record.model_call_id,
+            record_body(record, spans), staging_key, record.columns,
+        )
+    else:
+        body_ = FailureBody(reason="x" * 3000)  # a body hashed in place (past the inline size)
+        event = NewEvent(EventKind.CALL_FAILED, record.rollout_id, record.model_call_id, body_, staging_key)
+    body, ids, mask, log_probs = event.stored
+    cases: list[tuple[int, int, Any]] = [(1, 1, 0.0), (2**40, os.getpid(), time.time()), (7, 2**31 - 1, 1.5e9)]
+    cases.append((3, 5, 1_700_000_000))  # an int time: framed as an int, as event_checksum does
+    for version, pid, recorded_at in cases:
+        row = {
+            "rollout_id": event.rollout_id, "model_call_id": event.model_call_id, "stream_version": version,
+            "kind": event.kind.value, "staging_key": staging_key, "writer_pid": pid, "recorded_at": recorded_at,
+            "body": body, "token_ids": ids, "token_mask": mask, "log_probs": log_probs,
+        }
+        assert event.checksum_parts.checksum(version, pid, recorded_at) == event_checksum(row)
