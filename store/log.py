@@ -230,14 +230,7 @@ def _stage_lookup(engine: Engine, *, next_seq: bool = False) -> Statement:
         .outerjoin(keys, keys.c.staging_key == sa.bindparam("staging_key"))
         .outerjoin(calls, sa.and_(calls.c.rollout_id == rollout_id, calls.c.model_call_id == model_call_id))
     )
-    picked: list[sa.ColumnElement[Any]] = [
-        rollouts.c.fenced,
-        rollouts.c.fence_seq,
-        keys.c.event_seq,
-        keys.c.rollout_id,
-        keys.c.model_call_id,
-    ]
-    picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
+    picked = _lookup_columns(last_version)
     if next_seq:
         picked.append(sa.literal_column("nextval(pg_get_serial_sequence('events', 'seq'))").label("next_seq"))
     return Statement(sa.select(*picked).select_from(joined), engine)
@@ -270,15 +263,24 @@ def _stage_lookups(engine: Engine) -> Statement:
             sa.and_(calls.c.rollout_id == wanted.c.rollout_id, calls.c.model_call_id == wanted.c.model_call_id),
         )
     )
-    picked: list[sa.ColumnElement[Any]] = [
+    picked = _lookup_columns(last_version)
+    return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
+
+
+def _lookup_columns(last_version: sa.ScalarSelect[Any]) -> list[sa.ColumnElement[Any]]:
+    """What a stage lookup reads, in ``StageLookup``'s order: the fence, the key, the stream's
+    last version and the calls row."""
+    rollouts, keys = schema.rollouts, schema.staged_keys
+    return [
         rollouts.c.fenced,
         rollouts.c.fence_seq,
         keys.c.event_seq,
         keys.c.rollout_id,
         keys.c.model_call_id,
+        keys.c.digest,
+        last_version.label("last_version"),
+        *schema.calls.c,
     ]
-    picked += [keys.c.digest, last_version.label("last_version"), *calls.c]
-    return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
 
 
 class StageLookup(NamedTuple):

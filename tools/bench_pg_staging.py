@@ -48,7 +48,7 @@ from _bench_common import Report, Target, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
 from store import StagedCallRecord, open_store, schema
-from store.columns import event_checksum
+from store.columns import CHECKSUMMED_COLUMNS, event_checksum
 from store.engine import postgresql_backend
 from store.events import EventKind, record_body
 from store.log import _Statements
@@ -56,20 +56,7 @@ from store.projections import Event, fold_call, generated_spans
 
 TARGET_1 = 0.7
 TARGET_MANY = 0.5
-_COLUMNS = (
-    "rollout_id",
-    "model_call_id",
-    "stream_version",
-    "kind",
-    "staging_key",
-    "writer_pid",
-    "recorded_at",
-    "body",
-    "token_ids",
-    "token_mask",
-    "log_probs",
-    "checksum",
-)
+_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum")
 EventRow = tuple[Any, ...]
 
 
