@@ -320,3 +320,21 @@ def staging_preimage(
 
 def file_size(path: str) -> int:
     return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def fsync_seconds(folder: str | None = None, samples: int = 16, *, data_only: bool = False) -> float:
+    """Median time of one 4 KiB write + fsync (``fdatasync`` with ``data_only``) in ``folder``
+    (default: the temp folder): the disk's current mood, sampled beside a benchmark's blocks."""
+    fd, path = tempfile.mkstemp(prefix="fsync-probe-", dir=folder)
+    sync = os.fdatasync if data_only else os.fsync
+    times = []
+    try:
+        for index in range(samples):
+            os.pwrite(fd, b"x" * 4096, index * 4096)
+            start = time.perf_counter()
+            sync(fd)
+            times.append(time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return statistics.median(times)

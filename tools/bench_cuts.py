@@ -46,6 +46,7 @@ from _bench_common import (
     Target,
     calibrate,
     fmt_seconds,
+    fsync_seconds,
     parser,
     profiled,
     staging_preimage,
@@ -232,23 +233,6 @@ class RawAdmissionFloor:
         self.connection.close()
 
 
-def fsync_seconds(folder: str, count: int = 32) -> float:
-    """Median time to write 4 KiB and fsync it in ``folder`` (the disk's sync cost, for context)."""
-    path = os.path.join(folder, "fsync-probe")
-    times = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for _ in range(count):
-            os.pwrite(fd, os.urandom(4096), 0)
-            start = time.perf_counter()
-            os.fsync(fd)
-            times.append(time.perf_counter() - start)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return statistics.median(times)
-
-
 def bench_continuation(report: Report, args: Any, folder: str, rng: np.random.Generator) -> None:
     rounds = args.rounds or (5 if args.quick else 41)
     block_seconds = 0.005 if args.quick else 0.01
@@ -333,7 +317,7 @@ def bench_continuation(report: Report, args: Any, folder: str, rng: np.random.Ge
     finally:
         store.close()
         raw.close()
-    fsync = fsync_seconds(folder)
+    fsync = fsync_seconds(folder, samples=32)
 
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"

@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -44,7 +43,7 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psycopg
-from _bench_common import Report, Target, parser
+from _bench_common import Report, Target, fsync_seconds, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
 from store import StagedCallRecord, open_store, schema
@@ -248,22 +247,6 @@ def schema_name(variant: str, index: int) -> str:
     return f"bench_pg_{variant.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}"
 
 
-def fsync_seconds(samples: int = 8) -> float:
-    """Median time of one 4 KiB write + fdatasync in the temp folder (the disk PostgreSQL's WAL is on here)."""
-    times = []
-    fd, path = tempfile.mkstemp(prefix="pg-bench-fsync-")
-    try:
-        for index in range(samples):
-            os.pwrite(fd, b"x" * 4096, index * 4096)
-            start = time.perf_counter()
-            os.fdatasync(fd)
-            times.append(time.perf_counter() - start)
-    finally:
-        os.close(fd)
-        os.remove(path)
-    return statistics.median(times)
-
-
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="rounds, each in fresh schemas (default 9; 3 with --quick)")
@@ -295,7 +278,7 @@ def main() -> int:
     fsyncs: list[float] = []
     for index in range(rounds + 1):  # round 0 warms the server and the caches; not counted
         for group in groups:
-            fsyncs.append(fsync_seconds())
+            fsyncs.append(fsync_seconds(samples=8, data_only=True))
             names = {name: schema_name(name, index) for name in group}
             sides: dict[str, StoreSide | RawSide | FloorSide] = {}
             spent = dict.fromkeys(group, 0.0)

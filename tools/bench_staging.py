@@ -55,7 +55,7 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import Report, Target, make_columns, parser, temp_dir
+from _bench_common import Report, Target, fsync_seconds, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
 from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
@@ -241,23 +241,6 @@ def run_raw(path: str, rows: list[RawRow], batch: int, commits: list[float] | No
     if staged != len(rows):
         raise AssertionError(f"raw: {staged} rows stored, {len(rows)} expected")
     return elapsed
-
-
-def fsync_seconds(folder: str, samples: int = 16) -> float:
-    """Median time of one 4 KiB write + fsync in ``folder`` (the disk's current mood)."""
-    path = os.path.join(folder, "fsync-probe")
-    times = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for index in range(samples):
-            os.pwrite(fd, b"x" * 4096, index * 4096)
-            start = time.perf_counter()
-            os.fsync(fd)
-            times.append(time.perf_counter() - start)
-    finally:
-        os.close(fd)
-        os.remove(path)
-    return statistics.median(times)
 
 
 def _count_batches(store: Any) -> list[int]:
