@@ -338,21 +338,17 @@ def _staging_digest_and_columns(
     float_header = _PACK_U64(8 + 4 * count) + _PACK_U64(count)
     # The small fields join into one update each side of the columns (the same bytes).
     hasher = hashlib.sha256(
-        b"".join(
-            (
-                STAGING_CALL_DOMAIN,
-                bytes((schema_version, digest_version, extras_digest_version)),
-                _text(rollout_id, "rollout_id"),
-                _text(model_call_id, "model_call_id"),
-                b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"),
-                _text(mode, "mode"),
-                u64(prev_len, "prev_len"),
-                delta_bytes,
-                cum_bytes,
-                u64(weight_version, "weight_version"),
-                _PACK_U64(8 + 8 * count),
-                _PACK_U64(count),
-            )
+        _preimage_head(
+            (schema_version, digest_version, extras_digest_version),
+            rollout_id,
+            model_call_id,
+            parent_call_id,
+            mode,
+            prev_len,
+            delta_bytes,
+            cum_bytes,
+            weight_version,
+            count,
         )
     )
     tail = extras_raw + _present_digest(chain_hash, "chain_hash") + _present_digest(cumulative_hash, "cumulative_hash")
@@ -363,6 +359,38 @@ def _staging_digest_and_columns(
     hasher.update(columns.log_probs.big_endian_f32().data)
     hasher.update(tail)
     return hasher.hexdigest(), columns
+
+
+def _preimage_head(
+    versions: tuple[int, int, int],
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_bytes: bytes,
+    cum_bytes: bytes,
+    weight_version: int,
+    count: int,
+) -> bytes:
+    """The staging digest's preimage up to the token ids' bytes (their header included): the
+    one layout both the write side and the audit's stored-bytes path hash."""
+    return b"".join(
+        (
+            STAGING_CALL_DOMAIN,
+            bytes(versions),
+            _text(rollout_id, "rollout_id"),
+            _text(model_call_id, "model_call_id"),
+            b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"),
+            _text(mode, "mode"),
+            u64(prev_len, "prev_len"),
+            delta_bytes,
+            cum_bytes,
+            u64(weight_version, "weight_version"),
+            _PACK_U64(8 + 8 * count),
+            _PACK_U64(count),
+        )
+    )
 
 
 # The stored forms the audit's fast path reads (store.columns: encode_ids, encode_mask, encode_floats).
@@ -429,21 +457,17 @@ def stored_record_digest(
             return None
         delta_bytes, cum_bytes = u64(delta_len, "delta_len"), u64(cum_len, "cum_len")
         extras_raw = _stored_hex(body.extras_digest)
-        head = b"".join(
-            (
-                STAGING_CALL_DOMAIN,
-                bytes((schema_version, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)),
-                _text(body.rollout_id, "rollout_id"),
-                _text(body.model_call_id, "model_call_id"),
-                b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, "parent_call_id"),
-                _text(mode, "mode"),
-                u64(prev_len, "prev_len"),
-                delta_bytes,
-                cum_bytes,
-                u64(body.weight_version, "weight_version"),
-                _PACK_U64(8 + 8 * count),
-                _PACK_U64(count),
-            )
+        head = _preimage_head(
+            (schema_version, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION),
+            body.rollout_id,
+            body.model_call_id,
+            parent_call_id,
+            mode,
+            prev_len,
+            delta_bytes,
+            cum_bytes,
+            body.weight_version,
+            count,
         )
         tail = b"".join(
             (

@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine
 
 from store import failpoints, schema
 from store.checkpointer import Checkpointer
-from store.columns import ChecksumParts, encode_floats, encode_ids, encode_mask
+from store.columns import CHECKSUMMED_COLUMNS, ChecksumParts, encode_floats, encode_ids, encode_mask
 from store.digest import PackedColumns
 from store.engine import (
     Backend,
@@ -199,10 +199,7 @@ class _Statements:
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
 
 
-EVENT_INSERT_COLUMNS = (
-    "rollout_id", "model_call_id", "stream_version", "kind", "staging_key", "writer_pid", "recorded_at",
-    "body", "token_ids", "token_mask", "log_probs", "checksum",
-)
+EVENT_INSERT_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum")  # every events column but seq
 KEY_INSERT_COLUMNS = ("staging_key", "event_seq", "rollout_id", "model_call_id", "digest")
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, fmt_seconds, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, StageEntry, compute_chain_hash, hash_token_ids, open_store
-from store.columns import event_checksum
+from store.columns import CHECKSUMMED_COLUMNS, event_checksum
 from store.digest import (
     CHAIN_DOMAIN,
     CUMULATIVE_DOMAIN,
@@ -103,21 +103,7 @@ def raw_read_and_hash(path: str) -> int:
     return hashed
 
 
-EVENT_COLUMNS = (
-    "seq",
-    "rollout_id",
-    "model_call_id",
-    "stream_version",
-    "kind",
-    "staging_key",
-    "writer_pid",
-    "recorded_at",
-    "body",
-    "token_ids",
-    "token_mask",
-    "log_probs",
-    "checksum",
-)
+EVENT_COLUMNS = ("seq", *CHECKSUMMED_COLUMNS, "checksum")  # every column of the log
 
 
 def audit_floor(path: str) -> int:

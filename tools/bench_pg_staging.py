@@ -47,15 +47,15 @@ from _bench_common import Report, Target, fsync_seconds, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
 from store import StagedCallRecord, open_store, schema
-from store.columns import CHECKSUMMED_COLUMNS, event_checksum
+from store.columns import event_checksum
 from store.engine import postgresql_backend
 from store.events import EventKind, record_body
-from store.log import _Statements
+from store.log import EVENT_INSERT_COLUMNS, _Statements
 from store.projections import Event, fold_call, generated_spans
 
 TARGET_1 = 0.7
 TARGET_MANY = 0.5
-_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum")
+_COLUMNS = EVENT_INSERT_COLUMNS
 EventRow = tuple[Any, ...]
 
 
