@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from store.schema import metadata
+from store.log.schema import metadata
 
 config = context.config
 connection = config.attributes.get("connection")

@@ -14,11 +14,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from store.active_call import ActiveCall, Continuation
     from store.adapters.vllm import VllmAdapter
     from store.audit import AuditProblem, AuditReport
-    from store.capture import CaptureAdapter, RolloutTokenCapture
-    from store.columns import FloatColumn, TokenIds
     from store.coordinator import (
         CheckpointStateError,
         Coordinator,
@@ -27,26 +24,6 @@ if TYPE_CHECKING:
         FrameError,
         WorkerCall,
         WorkerClient,
-    )
-    from store.coordinator.history import PolicyWorker
-    from store.cut_records import (
-        GenerationCutInventory,
-        GenerationCutPrefix,
-        GenerationCutPrefixAck,
-        GenerationCutReceipt,
-        capture_key,
-        chunk_staging_key,
-    )
-    from store.digest import (
-        EMPTY_EXTRAS_DIGEST,
-        EXTRAS_MAX_DEPTH,
-        STAGING_SCHEMA_VERSION,
-        SUPPORTED_SCHEMA_VERSIONS,
-        build_staging_delta,
-        compute_chain_hash,
-        compute_extras_digest,
-        compute_staging_digest,
-        hash_token_ids,
     )
     from store.errors import (
         AdmissionTypeError,
@@ -74,7 +51,6 @@ if TYPE_CHECKING:
         StreamingUnsupportedError,
         UnknownKeyError,
     )
-    from store.events import EventKind
     from store.http.client import ControlClient
     from store.http.routes import control_app, control_router
     from store.lineage import (
@@ -88,8 +64,27 @@ if TYPE_CHECKING:
         StaleCall,
         StaleReport,
     )
-    from store.queries import CallInfo, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
-    from store.rebuild import (
+    from store.lineage.workers import PolicyWorker
+    from store.log.events import EventKind
+    from store.queries.reads import CallInfo, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
+    from store.queries.replay import ReplayDifference, ReplayReport
+    from store.rebuild.routed_rows import with_routed_experts
+    from store.rebuild.routes import (
+        MISSING_ROUTE_SENTINEL,
+        ROUTED_EXPERTS_ENVELOPE_VERSION,
+        RoutedExperts,
+        decode_routed_experts,
+        encode_routed_experts,
+    )
+    from store.rebuild.terminal import (
+        ASSISTANT_FINGERPRINT_VERSION,
+        TerminalAttribution,
+        TerminalSelection,
+        assistant_fingerprint,
+        resolve_terminal,
+        select_terminal_call,
+    )
+    from store.rebuild.verify import (
         ExtrasCommitment,
         LinearizedRollout,
         LinearizedRow,
@@ -99,7 +94,41 @@ if TYPE_CHECKING:
         verify_and_linearize,
         verify_and_linearize_all,
     )
-    from store.records import (
+    from store.retention import (
+        INVALID_WORKER_COMMIT_COORDINATES,
+        POISON_REASONS,
+        REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES,
+        UNRESOLVED_PARENT,
+        WORKER_CAPTURE_FAILED,
+        WORKER_RESPONSE_MISSING_COMMIT_COORDINATES,
+        CaptureLedger,
+        CompactReport,
+        LedgerAdmission,
+        receipt_from_manifest,
+    )
+    from store.shipping import EventOrigin, ShipProblem, ShipReport
+    from store.store import StageEntry, Store, open_store
+    from store.wire.columns import FloatColumn, TokenIds
+    from store.wire.cut_records import (
+        GenerationCutInventory,
+        GenerationCutPrefix,
+        GenerationCutPrefixAck,
+        GenerationCutReceipt,
+        capture_key,
+        chunk_staging_key,
+    )
+    from store.wire.digest import (
+        EMPTY_EXTRAS_DIGEST,
+        EXTRAS_MAX_DEPTH,
+        STAGING_SCHEMA_VERSION,
+        SUPPORTED_SCHEMA_VERSIONS,
+        build_staging_delta,
+        compute_chain_hash,
+        compute_extras_digest,
+        compute_staging_digest,
+        hash_token_ids,
+    )
+    from store.wire.records import (
         CallRecord,
         CaptureAdmission,
         CaptureLedgerCommit,
@@ -118,37 +147,8 @@ if TYPE_CHECKING:
         to_json,
         to_msgpack,
     )
-    from store.replay import ReplayDifference, ReplayReport
-    from store.retention import (
-        INVALID_WORKER_COMMIT_COORDINATES,
-        POISON_REASONS,
-        REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES,
-        UNRESOLVED_PARENT,
-        WORKER_CAPTURE_FAILED,
-        WORKER_RESPONSE_MISSING_COMMIT_COORDINATES,
-        CaptureLedger,
-        CompactReport,
-        LedgerAdmission,
-        receipt_from_manifest,
-    )
-    from store.routed_rows import with_routed_experts
-    from store.routes import (
-        MISSING_ROUTE_SENTINEL,
-        ROUTED_EXPERTS_ENVELOPE_VERSION,
-        RoutedExperts,
-        decode_routed_experts,
-        encode_routed_experts,
-    )
-    from store.shipping import EventOrigin, ShipProblem, ShipReport
-    from store.store import StageEntry, Store, open_store
-    from store.terminal import (
-        ASSISTANT_FINGERPRINT_VERSION,
-        TerminalAttribution,
-        TerminalSelection,
-        assistant_fingerprint,
-        resolve_terminal,
-        select_terminal_call,
-    )
+    from store.worker.active_call import ActiveCall, Continuation
+    from store.worker.capture import CaptureAdapter, RolloutTokenCapture
 
 # Each public name and the module that defines it (a test checks this against ``__all__``).
 _MODULES = {
@@ -162,7 +162,7 @@ _MODULES = {
     "FrameError": "store.coordinator",
     "WorkerCall": "store.coordinator",
     "WorkerClient": "store.coordinator",
-    "PolicyWorker": "store.coordinator.history",
+    "PolicyWorker": "store.lineage.workers",
     "INVALID_WORKER_COMMIT_COORDINATES": "store.retention",
     "POISON_REASONS": "store.retention",
     "REQUEST_FINISHED_WITHOUT_STAGED_COORDINATES": "store.retention",
@@ -175,75 +175,75 @@ _MODULES = {
     "receipt_from_manifest": "store.retention",
     "LedgerConflictError": "store.errors",
     "RolloutFencedError": "store.errors",
-    "ASSISTANT_FINGERPRINT_VERSION": "store.terminal",
-    "ActiveCall": "store.active_call",
+    "ASSISTANT_FINGERPRINT_VERSION": "store.rebuild.terminal",
+    "ActiveCall": "store.worker.active_call",
     "AdmissionTypeError": "store.errors",
     "AuditProblem": "store.audit",
     "AuditReport": "store.audit",
-    "CallInfo": "store.queries",
-    "CallRecord": "store.records",
-    "CaptureAdapter": "store.capture",
-    "CaptureAdmission": "store.records",
+    "CallInfo": "store.queries.reads",
+    "CallRecord": "store.wire.records",
+    "CaptureAdapter": "store.worker.capture",
+    "CaptureAdmission": "store.wire.records",
     "CaptureDataError": "store.errors",
     "CaptureError": "store.errors",
-    "CaptureLedgerCommit": "store.records",
-    "CommitCoords": "store.records",
+    "CaptureLedgerCommit": "store.wire.records",
+    "CommitCoords": "store.wire.records",
     "ConfigurationError": "store.errors",
     "ControlClient": "store.http.client",
     "ControlRequestError": "store.errors",
     "VllmAdapter": "store.adapters.vllm",
     "control_app": "store.http.routes",
     "control_router": "store.http.routes",
-    "Continuation": "store.active_call",
+    "Continuation": "store.worker.active_call",
     "CorruptRecordError": "store.errors",
     "DigestMismatchError": "store.errors",
     "DigestTypeError": "store.errors",
     "DigestValueError": "store.errors",
-    "EMPTY_EXTRAS_DIGEST": "store.digest",
-    "EXTRAS_MAX_DEPTH": "store.digest",
-    "EventKind": "store.events",
+    "EMPTY_EXTRAS_DIGEST": "store.wire.digest",
+    "EXTRAS_MAX_DEPTH": "store.wire.digest",
+    "EventKind": "store.log.events",
     "ExportFailure": "store.lineage",
     "ExportReport": "store.lineage",
-    "ExtrasCommitment": "store.rebuild",
-    "FloatColumn": "store.columns",
-    "GenerationCutContinuation": "store.records",
+    "ExtrasCommitment": "store.rebuild.verify",
+    "FloatColumn": "store.wire.columns",
+    "GenerationCutContinuation": "store.wire.records",
     "GenerationCutError": "store.errors",
-    "GenerationCutInventory": "store.cut_records",
-    "GenerationCutPrefix": "store.cut_records",
-    "GenerationCutPrefixAck": "store.cut_records",
-    "GenerationCutReceipt": "store.cut_records",
+    "GenerationCutInventory": "store.wire.cut_records",
+    "GenerationCutPrefix": "store.wire.cut_records",
+    "GenerationCutPrefixAck": "store.wire.cut_records",
+    "GenerationCutReceipt": "store.wire.cut_records",
     "InvalidRecordError": "store.errors",
     "LineageCall": "store.lineage",
-    "LinearizedRollout": "store.rebuild",
-    "LinearizedRow": "store.rebuild",
-    "MISSING_ROUTE_SENTINEL": "store.routes",
-    "ManifestFailure": "store.records",
+    "LinearizedRollout": "store.rebuild.verify",
+    "LinearizedRow": "store.rebuild.verify",
+    "MISSING_ROUTE_SENTINEL": "store.rebuild.routes",
+    "ManifestFailure": "store.wire.records",
     "MigrationError": "store.errors",
-    "ROUTED_EXPERTS_ENVELOPE_VERSION": "store.routes",
+    "ROUTED_EXPERTS_ENVELOPE_VERSION": "store.rebuild.routes",
     "ReadOnlyStoreError": "store.errors",
     "RebuildError": "store.errors",
     "ReceiptTypeError": "store.errors",
     "ReceiptVerificationError": "store.errors",
-    "ReplayDifference": "store.replay",
-    "ReplayReport": "store.replay",
+    "ReplayDifference": "store.queries.replay",
+    "ReplayReport": "store.queries.replay",
     "ResumedCut": "store.lineage",
     "RolloutLineage": "store.lineage",
-    "RolloutManifest": "store.records",
-    "RolloutReceipt": "store.records",
-    "RolloutRemoval": "store.records",
+    "RolloutManifest": "store.wire.records",
+    "RolloutReceipt": "store.wire.records",
+    "RolloutRemoval": "store.wire.records",
     "RolloutSummary": "store.lineage",
-    "RolloutTokenCapture": "store.capture",
+    "RolloutTokenCapture": "store.worker.capture",
     "RolloutVersions": "store.lineage",
-    "RoutedExperts": "store.routes",
-    "STAGING_SCHEMA_VERSION": "store.digest",
-    "SUPPORTED_SCHEMA_VERSIONS": "store.digest",
-    "SkippedChain": "store.rebuild",
+    "RoutedExperts": "store.rebuild.routes",
+    "STAGING_SCHEMA_VERSION": "store.wire.digest",
+    "SUPPORTED_SCHEMA_VERSIONS": "store.wire.digest",
+    "SkippedChain": "store.rebuild.verify",
     "StageEntry": "store.store",
-    "StageResult": "store.records",
-    "StagedCallBaseSnapshot": "store.records",
-    "StagedCallRecord": "store.records",
-    "StagedCallSnapshot": "store.records",
-    "StagedKeyInfo": "store.queries",
+    "StageResult": "store.wire.records",
+    "StagedCallBaseSnapshot": "store.wire.records",
+    "StagedCallRecord": "store.wire.records",
+    "StagedCallSnapshot": "store.wire.records",
+    "StagedKeyInfo": "store.queries.reads",
     "StagingRefusedError": "store.errors",
     "StaleCall": "store.lineage",
     "StaleReport": "store.lineage",
@@ -251,36 +251,36 @@ _MODULES = {
     "Store": "store.store",
     "StoreClosedError": "store.errors",
     "StoreError": "store.errors",
-    "StoredChunk": "store.queries",
-    "StoredCompletion": "store.queries",
+    "StoredChunk": "store.queries.reads",
+    "StoredCompletion": "store.queries.reads",
     "StreamingUnsupportedError": "store.errors",
-    "TerminalAttribution": "store.terminal",
-    "TerminalSelection": "store.terminal",
-    "TokenIds": "store.columns",
+    "TerminalAttribution": "store.rebuild.terminal",
+    "TerminalSelection": "store.rebuild.terminal",
+    "TokenIds": "store.wire.columns",
     "UnknownKeyError": "store.errors",
-    "VersionSpan": "store.queries",
-    "WeightVersionSpan": "store.rebuild",
-    "assistant_fingerprint": "store.terminal",
-    "build_staging_delta": "store.digest",
-    "capture_key": "store.cut_records",
-    "chunk_staging_key": "store.cut_records",
-    "compute_chain_hash": "store.digest",
-    "compute_extras_digest": "store.digest",
-    "compute_staging_digest": "store.digest",
-    "decode_routed_experts": "store.routes",
-    "encode_routed_experts": "store.routes",
-    "from_json": "store.records",
-    "from_msgpack": "store.records",
-    "hash_token_ids": "store.digest",
-    "linearize": "store.rebuild",
+    "VersionSpan": "store.queries.reads",
+    "WeightVersionSpan": "store.rebuild.verify",
+    "assistant_fingerprint": "store.rebuild.terminal",
+    "build_staging_delta": "store.wire.digest",
+    "capture_key": "store.wire.cut_records",
+    "chunk_staging_key": "store.wire.cut_records",
+    "compute_chain_hash": "store.wire.digest",
+    "compute_extras_digest": "store.wire.digest",
+    "compute_staging_digest": "store.wire.digest",
+    "decode_routed_experts": "store.rebuild.routes",
+    "encode_routed_experts": "store.rebuild.routes",
+    "from_json": "store.wire.records",
+    "from_msgpack": "store.wire.records",
+    "hash_token_ids": "store.wire.digest",
+    "linearize": "store.rebuild.verify",
     "open_store": "store.store",
-    "resolve_terminal": "store.terminal",
-    "select_terminal_call": "store.terminal",
-    "to_json": "store.records",
-    "to_msgpack": "store.records",
-    "verify_and_linearize": "store.rebuild",
-    "verify_and_linearize_all": "store.rebuild",
-    "with_routed_experts": "store.routed_rows",
+    "resolve_terminal": "store.rebuild.terminal",
+    "select_terminal_call": "store.rebuild.terminal",
+    "to_json": "store.wire.records",
+    "to_msgpack": "store.wire.records",
+    "verify_and_linearize": "store.rebuild.verify",
+    "verify_and_linearize_all": "store.rebuild.verify",
+    "with_routed_experts": "store.rebuild.routed_rows",
 }
 
 __all__ = [

@@ -14,12 +14,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from store.columns import FloatColumn
-from store.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
-from store.digest import compute_extras_digest
 from store.errors import InvalidRecordError
-from store.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Span, decode_body, encode_body
-from store.records import _short as _shown
+from store.log.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Span, decode_body, encode_body
+from store.wire.columns import FloatColumn
+from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
+from store.wire.digest import compute_extras_digest
+from store.wire.records import _short as _shown
 
 _U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)

@@ -10,9 +10,18 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, TypeVar
 
 from store import arguments
-from store.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, split_schema, wal_path
+from store.append.log import EventLog, NewEvent, WriteTransaction
+from store.append.staging_rules import owned_key, stage_event
 from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError
-from store.events import (
+from store.lifecycle import CallGate, operation, track_for_fork
+from store.lineage import export, tree, versions
+from store.lineage import linearize as lineage_linearize
+from store.lineage import workers as worker_log
+from store.lineage.export import ExportReport
+from store.lineage.tree import RolloutLineage, RolloutSummary
+from store.lineage.versions import RolloutVersions, StaleReport
+from store.log.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, split_schema, wal_path
+from store.log.events import (
     AdmissionBody,
     Completion,
     CutReceiptBody,
@@ -22,18 +31,10 @@ from store.events import (
     Span,
     record_body,
 )
-from store.lifecycle import CallGate, operation, track_for_fork
-from store.lineage import export, tree, versions
-from store.lineage import linearize as lineage_linearize
-from store.lineage.export import ExportReport
-from store.lineage.tree import RolloutLineage, RolloutSummary
-from store.lineage.versions import RolloutVersions, StaleReport
-from store.log import EventLog, NewEvent, WriteTransaction
-from store.projections import RECEIPT_STREAM, generated_spans
-from store.queries import CallInfo, Reader, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
-from store.rebuild import LinearizedRollout
-from store.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult
-from store.replay import ReplayReport, replay
+from store.projections.fold import RECEIPT_STREAM, generated_spans
+from store.queries.reads import CallInfo, Reader, StagedKeyInfo, StoredChunk, StoredCompletion, VersionSpan
+from store.queries.replay import ReplayReport, replay
+from store.rebuild.verify import LinearizedRollout
 from store.retention import ids as retention_ids
 from store.retention import removal
 from store.retention import retain as retention_retain
@@ -41,11 +42,10 @@ from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
 from store.shipping import identity
-from store.staging_rules import owned_key, stage_event
+from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
-    from store.coordinator.history import PolicyWorker
     from store.shipping import EventOrigin, ShipReport
 
 T = TypeVar("T")
@@ -341,7 +341,7 @@ class Store:
 
         return audit_store(self._engine, self._backend, progress)
 
-    # --- policy workers (store.coordinator) --------------------------------------------------
+    # --- policy workers (store.lineage.workers; the coordinator logs them) ---------------------------
 
     @operation
     def record_worker(
@@ -349,18 +349,16 @@ class Store:
         checkpoint_id: str | None = None,
     ) -> int:
         """Log a policy worker joining, stopping or lost (the coordinator does); returns its sequence number."""
-        from store.coordinator.history import worker_event  # the coordinator builds on the store
-
-        event = worker_event(kind, pid, index=index, joined_seq=joined_seq, connected=connected,
-                             expected=expected, checkpoint_id=checkpoint_id)
+        event = worker_log.worker_event(
+            kind, pid, index=index, joined_seq=joined_seq, connected=connected, expected=expected,
+            checkpoint_id=checkpoint_id,
+        )
         return self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     @operation
-    def workers(self) -> list[PolicyWorker]:
+    def workers(self) -> list[worker_log.PolicyWorker]:
         """Every policy worker the coordinator logged, with the calls it staged and those it left in flight."""
-        from store.coordinator.history import policy_workers
-
-        return policy_workers(self._engine)
+        return worker_log.policy_workers(self._engine)
 
     # --- log shipping (store.shipping) --------------------------------------------------------
 
@@ -375,9 +373,10 @@ class Store:
             raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
         if progress is not None and not callable(progress):
             raise InvalidRecordError(f"ship() progress must be callable, got {type(progress).__name__}")
-        from store.shipping.ship import ship_log  # shipping builds on the store, never the other way
+        from store.shipping.ship import ShipTarget, ship_log  # loaded when a ship runs
 
-        return ship_log(self, to, progress)
+        target = ShipTarget(to.url, to._engine, to._known_id, to._write)
+        return ship_log(self._known_id(), self._reader, target, progress)
 
     @property
     def store_id(self) -> str:

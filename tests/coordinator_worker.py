@@ -87,7 +87,7 @@ def run(client: WorkerClient, store: Any, calls: dict[tuple[str, str], Any], com
         record = make_record(rollout_id=command["rollout_id"], model_call_id=command["model_call_id"])
         return store.stage(record).staging_key
     if op == "admit":
-        from store.events import AdmissionBody
+        from store.log.events import AdmissionBody
 
         body = AdmissionBody(
             schema_version=2, parent_call_id=None, mode="text", prev_len=0, parent_chain_hash=None, weight_version=7

@@ -30,8 +30,8 @@ from store import (
     StoreError,
     open_store,
 )
-from store.queries import StoredCompletion
-from store.replay import ReplayReport
+from store.queries.reads import StoredCompletion
+from store.queries.replay import ReplayReport
 
 
 @dataclass(frozen=True)

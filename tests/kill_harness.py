@@ -34,11 +34,11 @@ from store import (
     from_json,
     open_store,
 )
-from store.capture import resolve_prefix
-from store.cut_records import GENERATION_CUT_KEY_PREFIX
-from store.cuts import resolve_continuation
-from store.engine import resolve_url
-from store.schema import cut_receipts, events, staged_keys
+from store.log.engine import resolve_url
+from store.log.schema import cut_receipts, events, staged_keys
+from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX
+from store.worker.capture import resolve_prefix
+from store.worker.cuts import resolve_continuation
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for factories
 from factories import make_record
 
 from store import open_store
-from store.schema import SCHEMA_REVISION
+from store.log.schema import SCHEMA_REVISION
 
 _PRINT_LOCK = threading.Lock()
 

@@ -42,8 +42,8 @@ from store import (
     compute_staging_digest,
     hash_token_ids,
 )
-from store import digest as digest_module
-from store.events import AdmissionBody
+from store.log.events import AdmissionBody
+from store.wire import digest as digest_module
 
 # --- helpers ----------------------------------------------------------------------------------
 

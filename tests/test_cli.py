@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from store.cli import main
 from store.cli.main import COMMANDS, cli
-from store.schema import SCHEMA_REVISION
+from store.log.schema import SCHEMA_REVISION
 
 SCRIPT = Path(sys.executable).with_name("staging-store")
 READ_COMMANDS = ["audit", "rollouts", "keys", "versions", "export", "replay", "lineage", "show", "workers"]
@@ -524,7 +524,7 @@ def test_ctrl_c_ends_the_demo_quietly(tmp_path: Path, no_stray_workers: None) ->
 
 def test_errors_keep_the_driver_text_out() -> None:
     from store.cli.exits import one_line
-    from store.engine import storage_error
+    from store.log.engine import storage_error
 
     try:
         try:

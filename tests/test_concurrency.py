@@ -20,7 +20,7 @@ from stage_worker import record_for
 
 import store as lib
 from store import StagedCallRecord, StageResult, Store, open_store
-from store import log as log_module
+from store.append import log as log_module
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

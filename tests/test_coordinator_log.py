@@ -10,7 +10,7 @@ from coordinator_helpers import wait_for, workers
 
 from store import InvalidRecordError, Store
 from store.coordinator import Coordinator
-from store.events import EventKind
+from store.log.events import EventKind
 
 
 def test_workers_projection_shows_who_staged_what_and_what_a_lost_worker_left_in_flight(
@@ -57,7 +57,7 @@ def test_a_damaged_workers_row_is_found_and_repaired_by_replay(store: Store) -> 
     assert (worker.pid, worker.state, worker.join_seq, worker.blocked_checkpoint) == (4242, "lost", joined, "ck")
     import sqlalchemy as sa
 
-    from store import schema
+    from store.log import schema
 
     with store._engine.begin() as connection:
         connection.execute(sa.update(schema.workers).values(state="connected"))
@@ -89,8 +89,8 @@ def test_bad_worker_events_are_refused_and_nothing_is_written(
 def _worker_events(store: Store) -> list[object]:
     import sqlalchemy as sa
 
-    from store import schema
-    from store.integrity import verified_event
+    from store.log import schema
+    from store.queries.integrity import verified_event
 
     with store._engine.connect() as connection:
         rows = connection.execute(sa.select(*schema.events.c).order_by(schema.events.c.seq)).all()

@@ -30,7 +30,7 @@ from store import (
     to_json,
     to_msgpack,
 )
-from store.digest import hash_token_columns
+from store.wire.digest import hash_token_columns
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODERATE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -52,7 +52,8 @@ from store import (
     to_json,
     to_msgpack,
 )
-from store.events import AdmissionBody, Completion, FailureBody
+from store.log.events import AdmissionBody, Completion, FailureBody
+from store.wire import cut_records, records
 
 INPUTS: collections.Counter[str] = collections.Counter()
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
@@ -137,11 +138,11 @@ WIRE_TYPES = {type(record) for record in EXAMPLES}
 def test_every_wire_record_type_is_fuzzed() -> None:
     declared = {
         value
-        for module in (lib.records, lib.cut_records)
+        for module in (records, cut_records)
         for value in vars(module).values()
         if isinstance(value, type) and issubclass(value, msgspec.Struct) and value.__module__ == module.__name__
     }
-    bases = {lib.records._Wire, lib.records._DigestWire, lib.cut_records._CutWire}
+    bases = {records._Wire, records._DigestWire, cut_records._CutWire}
     assert declared - bases == WIRE_TYPES
 
 

@@ -21,8 +21,8 @@ from kill_harness import FAILPOINTS, REPO, Ack, KillLoop
 
 from store import ConfigurationError, open_store
 from store import failpoints as failpoints_module
-from store.engine import resolve_url
-from store.schema import cut_receipts, events, staged_keys
+from store.log.engine import resolve_url
+from store.log.schema import cut_receipts, events, staged_keys
 
 # Hits to survive before dying: the first hit, and later ones, when batches and cuts are under way.
 SKIPS = {"before_commit": (0, 6, 20), "after_commit": (0, 6, 20), "mid_batch": (0, 6, 24), "mid_cut": (0, 2, 6)}

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store import columns
-from store.columns import FloatColumn, TokenIds, encode_ids
-from store.digest import compute_staging_digest
 from store.errors import DigestValueError
+from store.wire import columns
+from store.wire.columns import FloatColumn, TokenIds, encode_ids
+from store.wire.digest import compute_staging_digest
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 F32_MAX = float(np.finfo(np.float32).max)

@@ -16,14 +16,14 @@ import sqlalchemy as sa
 from conftest import POSTGRES_URL, reset_postgres
 from factories import make_record
 
-import store.engine as engine_module
+import store.log.engine as engine_module
 from store import ConfigurationError, RolloutFencedError, StageEntry, StorageError, Store, open_store
-from store.engine import Statement, write_lock_id
-from store.events import EventKind, FailureBody
-from store.log import NewEvent, WriteTransaction, _Pending
+from store.append.log import NewEvent, WriteTransaction, _Pending
+from store.append.staging_rules import stage_event
+from store.log.engine import Statement, write_lock_id
+from store.log.events import EventKind, FailureBody
+from store.log.schema import SCHEMA_REVISION
 from store.retention import removal
-from store.schema import SCHEMA_REVISION
-from store.staging_rules import stage_event
 
 needs_postgres = pytest.mark.skipif(POSTGRES_URL is None, reason="STORE_TEST_POSTGRES_URL is not set")
 

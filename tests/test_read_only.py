@@ -18,7 +18,7 @@ from store import (
     Store,
     open_store,
 )
-from store.engine import resolve_url
+from store.log.engine import resolve_url
 
 
 def folder_state(folder: Path) -> dict[str, str]:

@@ -42,7 +42,7 @@ from store import (
     verify_and_linearize_all,
     with_routed_experts,
 )
-from store.rebuild import SKIP_ABANDONED_ROOT, SKIP_AMBIGUOUS_LEAF
+from store.rebuild.verify import SKIP_ABANDONED_ROOT, SKIP_AMBIGUOUS_LEAF
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

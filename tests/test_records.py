@@ -14,7 +14,7 @@ import pytest
 from factories import make_record
 
 import store
-import store.records
+import store.wire.records
 from store import (
     EMPTY_EXTRAS_DIGEST,
     CallRecord,
@@ -411,7 +411,7 @@ def test_from_components_is_identical_to_normal_construction() -> None:
 
 
 def test_from_components_computes_each_digest_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = store.records._digest
+    module = store.wire.records._digest
     calls = {"staging_digest_and_columns": 0, "compute_extras_digest": 0}
     for name in calls:
         original = getattr(module, name)
@@ -807,7 +807,7 @@ def test_staging_namespace_has_no_serving_or_framework_dependencies() -> None:
     forbidden = ["fastapi", "ray", "torch", "transfer_queue", "aiohttp"]
     code = (
         "import json, sys\n"
-        "import store, store.records, store.digest, store.columns\n"
+        "import store, store.wire.records, store.wire.digest, store.wire.columns\n"
         f"print(json.dumps(sorted(m for m in {forbidden!r} if m in sys.modules)))\n"
         "print(json.dumps('store' in sys.modules))\n"
     )

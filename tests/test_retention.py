@@ -27,10 +27,10 @@ from store import (
     UnknownKeyError,
     chunk_staging_key,
     open_store,
-    schema,
 )
-from store.columns import event_checksum
-from store.events import AdmissionBody, EventKind, FailureBody, encode_body
+from store.log import schema
+from store.log.events import AdmissionBody, EventKind, FailureBody, encode_body
+from store.wire.columns import event_checksum
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -17,7 +17,7 @@ from factories import make_record
 
 import store as lib
 from store import EventKind, StagedCallRecord, Store, open_store
-from store.columns import event_checksum
+from store.wire.columns import event_checksum
 
 U64_MAX = 2**64 - 1
 
@@ -384,7 +384,7 @@ def test_append_and_projection_commit_together(store_url: str, store: Store, mon
     kept = make_record(model_call_id="kept")
     assert store.stage(kept).ok
 
-    from store import log
+    from store.append import log
 
     def broken_projection(self: object, *args: object, **kwargs: object) -> None:
         raise RuntimeError("projection failed after the event insert")

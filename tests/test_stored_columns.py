@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from store.columns import (
+from store.errors import DigestValueError, RebuildError
+from store.rebuild.verify import carry_boundary
+from store.wire.columns import (
     FloatColumn,
     TokenIds,
     decode_floats,
@@ -24,16 +26,14 @@ from store.columns import (
     encode_ids,
     encode_mask,
 )
-from store.digest import check_mask_and_carry
-from store.errors import DigestValueError, RebuildError
-from store.rebuild import carry_boundary
+from store.wire.digest import check_mask_and_carry
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _stored(mask: list[float], log_probs: list[float]) -> tuple[FloatColumn, FloatColumn]:
     return (
-        decode_mask(encode_mask(FloatColumn.coerce(mask, "mask"))),
+        decode_mask(encode_mask(FloatColumn.coerce(mask, "mask")), len(mask)),
         decode_floats(encode_floats(FloatColumn.coerce(log_probs, "log_probs"))),
     )
 
@@ -77,7 +77,7 @@ def test_a_stored_mask_without_generation_is_empty_generation() -> None:
 
 def test_a_raw_stored_mask_takes_the_general_path() -> None:
     """A mask that is not carry-then-generation is stored raw; it is judged value by value."""
-    mask = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")))
+    mask = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")), 3)
     assert mask.stored_carry() is None
     with pytest.raises(RebuildError) as caught:
         carry_boundary("call", mask)
@@ -104,7 +104,7 @@ def test_a_record_built_from_components_carries_its_stored_form() -> None:
     """from_components encodes the columns for storage once, when the record is built."""
     from factories import make_record
 
-    from store.columns import encode_floats, encode_ids, encode_mask
+    from store.wire.columns import encode_floats, encode_ids, encode_mask
 
     columns = make_record(rollout_id="stored-form").columns
     assert columns.token_ids._stored is not None
@@ -121,7 +121,7 @@ def test_run_masks_of_one_shape_decode_alike_and_cannot_be_changed(carry: int, t
     """Every decode of a run mask gives exactly the column that was encoded, read-only
     (a shared or cached pattern could never be changed through one of its columns)."""
     stored = encode_mask(FloatColumn.coerce([0.0] * carry + [1.0] * (total - carry), "mask"))
-    first, second = decode_mask(stored), decode_mask(stored)
+    first, second = decode_mask(stored, total), decode_mask(stored, total)
     for column in (first, second):
         assert column.stored_carry() == carry
         assert column.big_endian_f32().tobytes() == b"\x00" * 4 * carry + b"\x3f\x80\x00\x00" * (total - carry)
@@ -131,12 +131,24 @@ def test_run_masks_of_one_shape_decode_alike_and_cannot_be_changed(carry: int, t
     assert first == second
 
 
+@pytest.mark.parametrize(
+    "carry, total, length",
+    [(0, 2**40, 7), (2**62, 2**62, 3), (5, 3, 3), (0, 4, 3)],
+)
+def test_a_damaged_run_mask_is_refused_before_anything_is_allocated(carry: int, total: int, length: int) -> None:
+    """Counts that do not fit the record's ids (or a carry beyond the total) are damage: a
+    ValueError (the read paths' CorruptRecordError), never a huge allocation."""
+    stored = b"R" + carry.to_bytes(8, "big") + total.to_bytes(8, "big")
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_mask(stored, length)
+
+
 def test_stored_log_probs_and_raw_masks_decode_to_their_binary32_values() -> None:
     """Stored log-probs and raw masks decode to exactly the binary32 values encoded, read-only."""
     values = [0.0, -0.5, -1e-30, -3.25]
     assert decode_floats(encode_floats(FloatColumn.coerce(values, "lp"))).tolist() == [
         float(np.float32(v)) for v in values
     ]
-    raw = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")))
+    raw = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")), 3)
     assert raw.tolist() == [1.0, 0.0, 1.0]
     assert not raw.big_endian_f32().flags.writeable

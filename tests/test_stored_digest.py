@@ -12,12 +12,12 @@ import msgspec
 import pytest
 from factories import make_record
 
-from store.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
-from store.digest import staging_digest_and_columns, stored_record_digest
-from store.events import record_body
-from store.integrity import DECODE_ERRORS
-from store.queries import record_fields, stored_columns
-from store.records import StagedCallRecord
+from store.log.events import record_body
+from store.queries.integrity import DECODE_ERRORS
+from store.queries.reads import record_fields, stored_columns
+from store.wire.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
+from store.wire.digest import staging_digest_and_columns, stored_record_digest
+from store.wire.records import StagedCallRecord
 
 
 def _stored(record: StagedCallRecord) -> tuple[Any, bytes, bytes, bytes]:

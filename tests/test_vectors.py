@@ -22,6 +22,7 @@ from store import (
     compute_staging_digest,
     hash_token_ids,
 )
+from store.wire import digest
 
 # --- loading and decoding the vector file ----------------------------------------------------
 
@@ -272,7 +273,7 @@ def _valid_child(**overrides: Any) -> dict[str, Any]:
 
 
 def test_valid_child_fixture_hashes() -> None:
-    assert store.digest.is_digest_hex(compute_staging_digest(**_valid_child()))
+    assert digest.is_digest_hex(compute_staging_digest(**_valid_child()))
 
 
 @pytest.mark.parametrize(

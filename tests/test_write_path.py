@@ -20,12 +20,12 @@ import sqlalchemy as sa
 from factories import make_record
 
 from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_store
-from store import checkpointer as checkpointer_module
-from store import engine as engine_module
-from store import replay as replay_module
+from store.append.log import EventLog
 from store.errors import StorageError
 from store.lifecycle import CallGate
-from store.log import EventLog
+from store.log import checkpointer as checkpointer_module
+from store.log import engine as engine_module
+from store.queries import replay as replay_module
 
 HANG = 60.0  # seconds after which a thread or child that has not finished is taken as hung
 
@@ -674,7 +674,7 @@ def test_a_durable_restage_on_postgres_commits_a_record_that_flushes_the_log(sto
 
 def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """stage() takes the writer role with the record's stored bytes ready: no encoding runs in the batch."""
-    from store import log as log_module
+    from store.append import log as log_module
 
     store = open_store(store_url)
     try:
@@ -708,7 +708,7 @@ def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monk
 
 def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A new record: one lookup (fence, key, call, version), then the event, the calls row and the key."""
-    from store.log import WriteTransaction
+    from store.append.log import WriteTransaction
 
     executed: list[str] = []
     original = WriteTransaction._execute
@@ -746,10 +746,10 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
 ) -> None:
     """``NewEvent`` frames its checksum before the write lock; the append's bytes must be
     exactly those ``event_checksum`` (what every read verifies) hashes over the stored row."""
-    from store.columns import event_checksum
-    from store.events import EventKind, FailureBody, record_body
-    from store.log import NewEvent
-    from store.projections import generated_spans
+    from store.append.log import NewEvent
+    from store.log.events import EventKind, FailureBody, record_body
+    from store.projections.fold import generated_spans
+    from store.wire.columns import event_checksum
 
     record = make_record(rollout_id="r-\u00e9\U0001f600", model_call_id="c-1")
     if columns:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from store.digest import (
+from store.wire.digest import (
     EMPTY_EXTRAS_DIGEST,
     EXTRAS_DIGEST_VERSION,
     STAGING_CALL_DOMAIN,

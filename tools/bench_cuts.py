@@ -65,9 +65,9 @@ from store import (
     capture_key,
     open_store,
 )
-from store.capture import _admission_body as admission_body
-from store.cuts import resolve_continuation
-from store.events import EventKind
+from store.log.events import EventKind
+from store.worker.capture import _admission_body as admission_body
+from store.worker.cuts import resolve_continuation
 
 VOCAB = 150_000
 TARGET_RATIO = 6.0

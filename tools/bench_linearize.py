@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Columns, Report, Target, make_columns, measure, parser, staging_preimage, temp_dir
 
 from store import StagedCallRecord, StageEntry, compute_chain_hash, hash_token_ids, open_store
-from store.digest import CHAIN_DOMAIN, CUMULATIVE_DOMAIN
-from store.engine import BUSY_TIMEOUT_MS
-from store.events import EventKind
+from store.log.engine import BUSY_TIMEOUT_MS
+from store.log.events import EventKind
+from store.wire.digest import CHAIN_DOMAIN, CUMULATIVE_DOMAIN
 
 LINEARIZE_TARGET = 3.0
 MEMORY_TARGET_MB = 20.0

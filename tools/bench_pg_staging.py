@@ -46,12 +46,13 @@ import psycopg
 from _bench_common import Report, Target, fsync_seconds, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
-from store import StagedCallRecord, open_store, schema
-from store.columns import event_checksum
-from store.engine import postgresql_backend
-from store.events import EventKind, record_body
-from store.log import EVENT_INSERT_COLUMNS, _Statements
-from store.projections import Event, fold_call, generated_spans
+from store import StagedCallRecord, open_store
+from store.append.log import EVENT_INSERT_COLUMNS, _Statements
+from store.log import schema
+from store.log.engine import postgresql_backend
+from store.log.events import EventKind, record_body
+from store.projections.fold import Event, fold_call, generated_spans
+from store.wire.columns import event_checksum
 
 TARGET_1 = 0.7
 TARGET_MANY = 0.5

@@ -69,7 +69,7 @@ from store import (
     compute_staging_digest,
     hash_token_ids,
 )
-from store.digest import is_digest_hex
+from store.wire.digest import is_digest_hex
 
 BUFFER_TARGET = 3.0
 LIST_TARGET = 6.0

@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, fmt_seconds, parser, temp_dir
 from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 
-from store import Store, open_store, schema
-from store.columns import event_checksum
+from store import Store, open_store
+from store.log import schema
+from store.wire.columns import event_checksum
 
 TARGET_RATIO = 2.0
 _SELECT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY seq"

@@ -104,7 +104,7 @@ def bench_delete(report: Report, folder: str, rollouts: int, seed: int) -> None:
         with store._engine.connect() as connection:  # the tombstones' own byte count, for scale
             from sqlalchemy import text
 
-            from store.events import EventKind, decode_body
+            from store.log.events import EventKind, decode_body
 
             for (body,) in connection.execute(
                 text("SELECT body FROM events WHERE kind = :k"), {"k": EventKind.ROLLOUT_DELETED.value}

@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, fsync_seconds, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
-from store.columns import encode_floats, encode_ids, encode_mask, event_checksum
-from store.events import encode_body, record_body
-from store.log import _stage_lookup
-from store.projections import generated_spans
+from store.append.log import _stage_lookup
+from store.log.events import encode_body, record_body
+from store.projections.fold import generated_spans
+from store.wire.columns import encode_floats, encode_ids, encode_mask, event_checksum
 
 TOKENS = 4_096
 SMALL_TOKENS = 256

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from store.errors import CaptureDataError
-from store.records import CommitCoords, to_json
+from store.wire.records import CommitCoords, to_json
 
 TOKEN_ID_PREFIX = "token_id:"
 COMMIT_COORDS_FIELD = "ng_commit_coords"

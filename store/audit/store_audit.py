@@ -21,7 +21,6 @@ import sqlalchemy as sa
 import xxhash
 from sqlalchemy.engine import Engine
 
-from store import schema
 from store.audit.report import (
     CHAIN,
     CHECKSUM,
@@ -38,18 +37,10 @@ from store.audit.report import (
     AuditProblem,
     AuditReport,
 )
-from store.columns import TokenIds, decode_ids
-from store.digest import (
-    CUMULATIVE_DOMAIN,
-    PackedColumns,
-    compute_chain_hash,
-    hash_token_columns,
-    staging_digest_and_columns,
-    stored_record_digest,
-)
-from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError, StoreError
-from store.events import (
+from store.log import schema
+from store.log.engine import Backend, driver_errors, storage_error
+from store.log.events import (
     LEDGER_KINDS,
     RECORD_KINDS,
     RETENTION_KINDS,
@@ -58,11 +49,20 @@ from store.events import (
     RecordBody,
     TombstoneBody,
 )
-from store.integrity import DECODE_ERRORS, verified_event
-from store.projections import Event
-from store.queries import record_fields, stored_columns
-from store.records import GenerationCutContinuation, from_json
-from store.replay import Folded, ReplayDifference, UnreadableRow, paused_gc, stored_rows, table_rows
+from store.projections.fold import Event
+from store.queries.integrity import DECODE_ERRORS, verified_event
+from store.queries.reads import record_fields, stored_columns
+from store.queries.replay import Folded, ReplayDifference, UnreadableRow, paused_gc, stored_rows, table_rows
+from store.wire.columns import TokenIds, decode_ids
+from store.wire.digest import (
+    CUMULATIVE_DOMAIN,
+    PackedColumns,
+    compute_chain_hash,
+    hash_token_columns,
+    staging_digest_and_columns,
+    stored_record_digest,
+)
+from store.wire.records import GenerationCutContinuation, from_json
 
 Progress = Callable[[int, int], object]
 _PROGRESS_EVERY = 256

@@ -11,7 +11,7 @@ from store.cli.opening import STORE_HELP, read_only, store_and, store_argument
 
 if TYPE_CHECKING:
     from store.lineage import LineageCall, RolloutLineage
-    from store.queries import CallInfo, StoredChunk
+    from store.queries.reads import CallInfo, StoredChunk
 
 JSON_HELP = "Print JSON instead of a table."
 

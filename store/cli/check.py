@@ -11,7 +11,7 @@ from store.cli.opening import STORE_HELP, read_only, shown, store_argument, writ
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
-    from store.replay import ReplayReport
+    from store.queries.replay import ReplayReport
 
 
 @click.command(

@@ -27,9 +27,9 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
     Only a store's own schema is touched: a database that holds other tables and no store
     schema, or a store newer than this library, is refused (exit 3) and left as it was.
     """
-    from store.engine import create_store_engine, resolve_url, split_schema, stored_revision
     from store.errors import MigrationError, StorageError
-    from store.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
+    from store.log.engine import create_store_engine, resolve_url, split_schema, stored_revision
+    from store.log.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
     from store.store import open_store
 
     where = location(store)

@@ -67,7 +67,7 @@ def read_only(given: str | None) -> Iterator[Store]:
 @contextmanager
 def writable(given: str | None) -> Iterator[Store]:
     """Open an existing store for writing (a write command); a missing file is refused, not created."""
-    from store.engine import resolve_url
+    from store.log.engine import resolve_url
     from store.store import open_store
 
     where = location(given)

@@ -20,8 +20,8 @@ from store.cli import exits, output
 from store.cli.opening import ENV, STORE_HELP, location, shown, writable
 
 if TYPE_CHECKING:
-    from store.records import RolloutRemoval
     from store.store import Store
+    from store.wire.records import RolloutRemoval
 
 MAX_PER_CALL = 4096  # the store's bound on one retire/forget/delete call (store.retention.ids)
 DELETE_BATCH = 256  # smaller batches for delete, so its progress bar moves

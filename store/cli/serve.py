@@ -49,8 +49,8 @@ def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
         from store.http.routes import control_app
     except ImportError as exc:
         raise exits.CommandError(f"{_EXTRA} ({exc.name} is missing)") from exc
-    from store.capture import RolloutTokenCapture
     from store.errors import CaptureError
+    from store.worker.capture import RolloutTokenCapture
 
     token = _token(token_file)
 

@@ -10,7 +10,7 @@ from store.cli import exits, output
 from store.cli.opening import STORE_HELP, read_only, shown, store_argument
 
 if TYPE_CHECKING:
-    from store.coordinator.history import PolicyWorker
+    from store.lineage.workers import PolicyWorker
 
 
 @click.command(

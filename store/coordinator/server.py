@@ -426,7 +426,7 @@ def _text(name: str, value: Any) -> str:
 
 
 def _attempt(rollout_id: Any, attempt: Any) -> str:
-    from store.cut_records import capture_key
+    from store.wire.cut_records import capture_key
 
     rollout_id = _text("rollout_id", rollout_id)
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:

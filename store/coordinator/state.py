@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from store.coordinator.errors import CheckpointStateError, FrameError
-from store.cut_records import capture_key as attempt_key
+from store.wire.cut_records import capture_key as attempt_key
 
 UNREPORTED = "policy-workers-unreported"
 LOST = "policy-worker-lost"

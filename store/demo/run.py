@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from store.cut_records import GenerationCutInventory, GenerationCutPrefix, GenerationCutReceipt
 from store.demo.engine import ToyEngine
-from store.records import from_json, to_json
 from store.store import Store, open_store
+from store.wire.cut_records import GenerationCutInventory, GenerationCutPrefix, GenerationCutReceipt
+from store.wire.records import from_json, to_json
 
 TURNS = 3  # calls per rollout; the cut lands in turn 1 or 2
 CHECKPOINT = "checkpoint-1"
@@ -338,9 +338,9 @@ def _serve_crash_restore(
 def _retire(store: Store, superseded: list[str], plan: dict[str, Any], engine: ToyEngine, summary: Summary) -> None:
     """Fence the dead attempt's capture keys, then play its worker once more: a zombie of
     attempt 0 admits and finishes its cut call.  The fence must refuse it and write nothing."""
-    from store.capture import RolloutTokenCapture
     from store.demo.worker import Turns
     from store.errors import RolloutFencedError
+    from store.worker.capture import RolloutTokenCapture
 
     retired = store.retire(superseded)
     summary.attempts_retired = len(retired.removed)

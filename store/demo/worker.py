@@ -22,12 +22,12 @@ import sys
 import time
 from typing import Any
 
-from store.active_call import ActiveCall
-from store.capture import RolloutTokenCapture
-from store.cut_records import GenerationCutInventory, GenerationCutPrefixAck, capture_key
 from store.demo.engine import ToyEngine
-from store.records import CaptureAdmission, CommitCoords, GenerationCutContinuation, from_json, to_json
 from store.store import open_store
+from store.wire.cut_records import GenerationCutInventory, GenerationCutPrefixAck, capture_key
+from store.wire.records import CaptureAdmission, CommitCoords, GenerationCutContinuation, from_json, to_json
+from store.worker.active_call import ActiveCall
+from store.worker.capture import RolloutTokenCapture
 
 STEP = 8  # tokens decoded between flush passes
 

@@ -17,11 +17,11 @@ import httpx
 import msgspec
 
 from store import arguments
-from store.cut_records import GenerationCutInventory, GenerationCutReceipt
 from store.errors import ConfigurationError, ControlRequestError, InvalidRecordError, RolloutFencedError
 from store.http.paths import CUT_PATH, LEDGER_PREFIX
-from store.records import RolloutManifest, RolloutRemoval, from_json, to_json
 from store.retention.ids import MAX_IDS
+from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
+from store.wire.records import RolloutManifest, RolloutRemoval, from_json, to_json
 
 T = TypeVar("T", bound=msgspec.Struct)
 

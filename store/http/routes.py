@@ -18,8 +18,6 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from store.capture import RolloutTokenCapture
-from store.cut_records import GenerationCutInventory, GenerationCutReceipt
 from store.errors import (
     ConfigurationError,
     GenerationCutError,
@@ -31,9 +29,11 @@ from store.errors import (
     StoreError,
 )
 from store.http.paths import CUT_PATH, LEDGER_PREFIX
-from store.records import RolloutManifest, RolloutRemoval, from_json, to_json
 from store.retention.ids import MAX_IDS
 from store.store import Store
+from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
+from store.wire.records import RolloutManifest, RolloutRemoval, from_json, to_json
+from store.worker.capture import RolloutTokenCapture
 
 log = logging.getLogger("store.http")
 

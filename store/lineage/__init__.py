@@ -1,4 +1,4 @@
-"""Lineage views over the log: policy versions, the call tree of a rollout, linearize and export.
+"""Lineage views over the log: policy versions, the call tree of a rollout, linearize and export, policy workers.
 
 This package reads the store's projections and events; nothing in the store's core imports
 it (``Store``'s lineage methods delegate here).

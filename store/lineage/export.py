@@ -19,13 +19,13 @@ from typing import IO, Any
 import msgspec
 import numpy as np
 
-from store.digest import hash_token_ids
 from store.errors import CorruptRecordError, InvalidRecordError, ReceiptVerificationError, UnknownKeyError
-from store.events import Span
 from store.lineage.linearize import RolloutRecords, rollout_records
 from store.lineage.tree import rollout_ids as all_rollout_ids
-from store.queries import Reader
-from store.rebuild import LinearizedRow, verify_and_linearize_all
+from store.log.events import Span
+from store.queries.reads import Reader
+from store.rebuild.verify import LinearizedRow, verify_and_linearize_all
+from store.wire.digest import hash_token_ids
 
 Progress = Callable[[int, int], object]
 Writer = Callable[[bytes], object]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from store import schema
-from store.projections import CallState
-from store.queries import Reader, plain_rows
+from store.log import schema
+from store.projections.fold import CallState
+from store.queries.reads import Reader, plain_rows
 
 _ATTEMPT_KEY = re.compile(r"^(.+)-a([1-9][0-9]*)$", re.S)
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from store.errors import CorruptRecordError, InvalidRecordError, RebuildError, ReceiptVerificationError
-from store.events import Span
 from store.lineage.family import FamilyCall, family_calls, resolve_rollout
 from store.lineage.tree import Admission, admissions
-from store.queries import Reader
-from store.rebuild import LinearizedRollout, verify_and_linearize_all
-from store.records import CallRecord, RolloutReceipt, StagedCallSnapshot, default_staging_key
-from store.terminal import select_terminal_call
+from store.log.events import Span
+from store.queries.reads import Reader
+from store.rebuild.terminal import select_terminal_call
+from store.rebuild.verify import LinearizedRollout, verify_and_linearize_all
+from store.wire.records import CallRecord, RolloutReceipt, StagedCallSnapshot, default_staging_key
 
 
 @dataclass(frozen=True)

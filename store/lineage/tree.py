@@ -12,11 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from store import schema
-from store.cut_records import GENERATION_CUT_KEY_PREFIX
 from store.errors import CorruptRecordError, InvalidRecordError
-from store.events import AdmissionBody, EventKind
-from store.integrity import describe, verified_event
 from store.lineage.family import (
     FamilyCall,
     bound_family_clause,
@@ -26,9 +22,13 @@ from store.lineage.family import (
     resolve_rollout,
     split_capture_key,
 )
-from store.projections import TERMINAL_STATES
-from store.queries import Reader, StagedKeyInfo, VersionSpan, plain_rows
-from store.records import GenerationCutContinuation, from_json
+from store.log import schema
+from store.log.events import AdmissionBody, EventKind
+from store.projections.fold import TERMINAL_STATES
+from store.queries.integrity import describe, verified_event
+from store.queries.reads import Reader, StagedKeyInfo, VersionSpan, plain_rows
+from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX
+from store.wire.records import GenerationCutContinuation, from_json
 
 
 @dataclass(frozen=True)

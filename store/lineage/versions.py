@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from store import schema
 from store.errors import InvalidRecordError
 from store.lineage.family import (
     FamilyCall,
@@ -26,9 +25,10 @@ from store.lineage.family import (
     resolve_rollout,
     split_capture_key,
 )
-from store.projections import CallState
-from store.queries import Reader
-from store.schema import version_key
+from store.log import schema
+from store.log.schema import version_key
+from store.projections.fold import CallState
+from store.queries.reads import Reader
 
 U64_MAX = 2**64 - 1
 

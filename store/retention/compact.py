@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
-from store.engine import SQLITE, Backend, driver_errors, storage_error
+from store.log.engine import SQLITE, Backend, driver_errors, storage_error
 
 _INCREMENTAL = 2
 

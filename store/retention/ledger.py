@@ -19,15 +19,19 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import arguments, schema
+from store import arguments
+from store.append.log import EventLog, NewEvent, WriteTransaction
 from store.errors import InvalidRecordError, LedgerConflictError, RolloutFencedError, StoreError
-from store.events import EventKind, FailureBody, LedgerRecordBody
-from store.integrity import verified_event
 from store.lifecycle import CallGate, operation
-from store.log import EventLog, NewEvent, WriteTransaction
-from store.projections import LEDGER_PREFIX, ROLLOUT_COLUMNS, Event, RolloutState
-from store.queries import Reader
-from store.records import (
+from store.log import schema
+from store.log.events import EventKind, FailureBody, LedgerRecordBody
+from store.projections.fold import LEDGER_PREFIX, ROLLOUT_COLUMNS, Event, RolloutState
+from store.queries.integrity import verified_event
+from store.queries.reads import Reader
+from store.rebuild.terminal import UnfingerprintableError, assistant_fingerprint, select_terminal_call
+from store.retention import ids, removal
+from store.retention.reasons import UNRESOLVED_PARENT
+from store.wire.records import (
     CaptureAdmission,
     CaptureLedgerCommit,
     ManifestFailure,
@@ -37,9 +41,6 @@ from store.records import (
     from_json,
     to_json,
 )
-from store.retention import ids, removal
-from store.retention.reasons import UNRESOLVED_PARENT
-from store.terminal import UnfingerprintableError, assistant_fingerprint, select_terminal_call
 
 
 @dataclass(frozen=True)

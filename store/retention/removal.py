@@ -18,12 +18,12 @@ import sqlalchemy as sa
 import xxhash
 from sqlalchemy.engine import Engine
 
-from store import schema
-from store.engine import Statement
-from store.events import RECORD_KINDS, EventKind, FenceBody, TombstoneBody
-from store.log import NewEvent, WriteTransaction
-from store.projections import ROLLOUT_STREAM
-from store.records import RolloutRemoval
+from store.append.log import NewEvent, WriteTransaction
+from store.log import schema
+from store.log.engine import Statement
+from store.log.events import RECORD_KINDS, EventKind, FenceBody, TombstoneBody
+from store.projections.fold import ROLLOUT_STREAM
+from store.wire.records import RolloutRemoval
 
 _TOMBSTONE_DOMAIN = b"staging-store-tombstone-1"
 # Kinds are matched by prefix so one compiled statement serves each scope.

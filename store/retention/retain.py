@@ -21,12 +21,12 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import schema
-from store.engine import Statement
-from store.events import RECORD_KINDS, EventKind, KeysClearedBody
-from store.log import NewEvent, WriteTransaction
-from store.projections import TERMINAL_STATES
-from store.records import RolloutRemoval
+from store.append.log import NewEvent, WriteTransaction
+from store.log import schema
+from store.log.engine import Statement
+from store.log.events import RECORD_KINDS, EventKind, KeysClearedBody
+from store.projections.fold import TERMINAL_STATES
+from store.wire.records import RolloutRemoval
 
 RETENTION_REASON = "retention"
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from store import schema
 from store.errors import CorruptRecordError
+from store.log import schema
 
 
 @dataclass(frozen=True)

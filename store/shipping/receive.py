@@ -16,10 +16,12 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import schema
-from store.engine import Statement
+from store.append.log import NewEvent, WriteTransaction
+from store.append.staging_rules import owned_key, stage_event
 from store.errors import StoreError
-from store.events import (
+from store.log import schema
+from store.log.engine import Statement
+from store.log.events import (
     RECORD_KINDS,
     CutReceiptBody,
     EventKind,
@@ -28,13 +30,11 @@ from store.events import (
     WorkerBody,
     decode_body,
 )
-from store.log import NewEvent, WriteTransaction
 from store.retention import removal
 from store.retention.removal import RetentionStatements
 from store.retention.retain import RETENTION_REASON
 from store.shipping.identity import EventOrigin
 from store.shipping.source import SourceEvent
-from store.staging_rules import owned_key, stage_event
 
 
 class Refused(Exception):

@@ -12,36 +12,52 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
+from sqlalchemy.engine import Engine
+
+from store.append.log import WriteTransaction
 from store.errors import InvalidRecordError
-from store.log import WriteTransaction
+from store.queries.reads import Reader
 from store.shipping.receive import Received, Refused, ShipStatements, receive, resume_point
 from store.shipping.report import ShipProblem, ShipReport
 from store.shipping.source import SourceEvent, Unshippable, batches, count_after
 
-if TYPE_CHECKING:
-    from store.store import Store
-
 Progress = Callable[[int, int], object]
+T = TypeVar("T")
 
 # Source events per target transaction: a few MB of 4k-token records at most.
 BATCH_EVENTS = 128
 
 
-def ship_log(source: Store, target: Store, progress: Progress | None) -> ShipReport:
-    source_id = source._known_id()
-    statements = ShipStatements(target._engine)
+class TargetWrite(Protocol):
+    """The target store's write path (``Store._write``): staging's transaction and checks."""
+
+    def __call__(self, work: Callable[[WriteTransaction], T], *, durable: bool = ...) -> T: ...
+
+
+@dataclass(frozen=True)
+class ShipTarget:
+    """What a ship needs of the store it writes to (``Store.ship`` hands it over)."""
+
+    url: str
+    engine: Engine
+    known_id: Callable[[], str]
+    write: TargetWrite
+
+
+def ship_log(source_id: str, source: Reader, target: ShipTarget, progress: Progress | None) -> ShipReport:
+    statements = ShipStatements(target.engine)
     # The target's log refuses a closed store here, before anything of it is read.
-    start = target._write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
-    target_id = target._known_id()
+    start = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
+    target_id = target.known_id()
     if source_id == target_id:
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
     tally = _Tally(last=start)
     # The next batch is read and verified here while a writer thread applies this one to the
     # target (its write path takes callers from any thread).  The next batch is sent only
     # once this one committed without a problem: a ship still stops at its first problem.
-    with source._reader.connection("reading the log to ship") as connection, ThreadPoolExecutor(1) as writer:
+    with source.connection("reading the log to ship") as connection, ThreadPoolExecutor(1) as writer:
         tally.total = count_after(connection, start)
         connection.rollback()
         _report(progress, 0, tally.total)
@@ -109,7 +125,7 @@ def _until_unshippable(batch: list[SourceEvent | Unshippable]) -> tuple[list[Sou
 
 
 def _ship_batch(
-    target: Store, statements: ShipStatements, source_id: str, target_id: str, items: list[SourceEvent]
+    target: ShipTarget, statements: ShipStatements, source_id: str, target_id: str, items: list[SourceEvent]
 ) -> tuple[Received, ShipProblem | None]:
     """Apply ``items`` in one target transaction; a refusal ships the events before it, then reports it."""
 
@@ -119,10 +135,10 @@ def _ship_batch(
     if not items:
         return Received(), None
     try:
-        received = target._write(work(items))
+        received = target.write(work(items))
     except Refused as refused:
         before = [item for item in items if item.source_seq < refused.source_seq]
-        received = target._write(work(before)) if before else Received()
+        received = target.write(work(before)) if before else Received()
         code = "conflict" if isinstance(refused.error, InvalidRecordError) else "refused"
         return received, _problem(code, _at(items, refused.source_seq), str(refused.error))
     if received.conflict is not None:

@@ -14,13 +14,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from store import schema
+from store.append.log import NewEvent
 from store.errors import CorruptRecordError
-from store.events import RECORD_KINDS, EventKind, WorkerBody, encode_body
-from store.integrity import verified_event
-from store.log import NewEvent
-from store.projections import Event
-from store.queries import snapshot_from_event
+from store.log import schema
+from store.log.events import RECORD_KINDS, EventKind, WorkerBody, encode_body
+from store.projections.fold import Event
+from store.queries.integrity import verified_event
+from store.queries.reads import snapshot_from_event
 from store.shipping.identity import EventOrigin, event_origin, origins_between
 
 

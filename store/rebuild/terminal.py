@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from store.records import CallRecord
+from store.wire.records import CallRecord
 
 # --- outcomes of select_terminal_call (wire-contract 3.10) ------------------------------------
 SELECTED: Final = "selected"

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from store.records import (
+from store.wire.records import (
     FinishReason,
     _check_finish,
     _digest_hex,

@@ -15,10 +15,10 @@ from typing import Any
 
 import msgspec
 
-from store.columns import event_checksum
 from store.errors import CorruptRecordError
-from store.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, decode_body
-from store.projections import RECEIPT_STREAM, Event
+from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, decode_body
+from store.projections.fold import RECEIPT_STREAM, Event
+from store.wire.columns import event_checksum
 
 # What decoding damaged bytes can raise (msgspec's errors derive from ValueError; listed for clarity).
 DECODE_ERRORS = (

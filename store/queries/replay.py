@@ -12,12 +12,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import schema
-from store.engine import Backend, driver_errors, storage_error
 from store.errors import CorruptRecordError
-from store.events import RECORD_KINDS, WORKER_KINDS, EventKind
-from store.integrity import undecodable_text, verified_event
-from store.projections import (
+from store.log import schema
+from store.log.engine import Backend, driver_errors, storage_error
+from store.log.events import RECORD_KINDS, WORKER_KINDS, EventKind
+from store.projections.fold import (
     CALL_ROW_COLUMNS,
     ROLLOUT_KINDS,
     CallState,
@@ -33,6 +32,7 @@ from store.projections import (
     fold_worker,
     worker_key,
 )
+from store.queries.integrity import undecodable_text, verified_event
 
 _MAX_DIFFERENCES = 50
 

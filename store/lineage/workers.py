@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import schema
-from store.engine import driver_errors, storage_error
+from store.append.log import NewEvent
 from store.errors import InvalidRecordError
-from store.events import RECORD_KINDS, EventKind, WorkerBody
-from store.log import NewEvent
-from store.projections import WORKERS_STREAM
+from store.log import schema
+from store.log.engine import driver_errors, storage_error
+from store.log.events import RECORD_KINDS, EventKind, WorkerBody
+from store.projections.fold import WORKERS_STREAM
 
 _KINDS = {
     "worker_joined": EventKind.WORKER_JOINED,

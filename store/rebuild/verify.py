@@ -5,7 +5,7 @@ one snapshot per manifest row, and gets token-exact training rows back, or a
 ``ReceiptVerificationError``/``RebuildError`` whose ``code`` names the first failed check.
 The checks run in the contract's order.  Extras payloads are never read: each row carries
 the receipt-bound extras digests (``extras_commitments``) for consumers to verify at their
-point of use, as ``store.routed_rows.with_routed_experts`` does.
+point of use, as ``store.rebuild.routed_rows.with_routed_experts`` does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from typing import Any, Final
 
 import numpy as np
 
-from store.columns import FloatColumn, TokenIds
-from store.digest import (
+from store.errors import RebuildError, ReceiptTypeError, ReceiptVerificationError
+from store.rebuild.routes import RoutedExperts
+from store.rebuild.terminal import children_by_parent, descend_to_leaf, root_order_key
+from store.wire.columns import FloatColumn, TokenIds
+from store.wire.digest import (
     EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
@@ -27,10 +30,7 @@ from store.digest import (
     hash_token_columns,
     staging_digest_and_columns,
 )
-from store.errors import RebuildError, ReceiptTypeError, ReceiptVerificationError
-from store.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
-from store.routes import RoutedExperts
-from store.terminal import children_by_parent, descend_to_leaf, root_order_key
+from store.wire.records import CallRecord, RolloutReceipt, StagedCallBaseSnapshot
 
 CHAIN_KIND_TERMINAL: Final = "terminal"
 CHAIN_KIND_SUBAGENT: Final = "subagent"

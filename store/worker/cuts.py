@@ -16,21 +16,21 @@ from typing import Any
 import numpy as np
 
 from store import failpoints
-from store.active_call import ActiveCall, build_generation_chunk_record, build_prefix_record, record_spans
-from store.columns import FloatColumn, TokenIds
-from store.cut_records import (
+from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError
+from store.log.events import Completion, EventKind, Span
+from store.projections.fold import generated_spans
+from store.queries.reads import StoredChunk, StoredCompletion
+from store.store import StageEntry, Store
+from store.wire.columns import FloatColumn, TokenIds
+from store.wire.cut_records import (
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
     GenerationCutReceipt,
     chunk_staging_key,
 )
-from store.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
-from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError
-from store.events import Completion, EventKind, Span
-from store.projections import generated_spans
-from store.queries import StoredChunk, StoredCompletion
-from store.records import (
+from store.wire.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
+from store.wire.records import (
     CaptureAdmission,
     CommitCoords,
     GenerationCutContinuation,
@@ -40,7 +40,7 @@ from store.records import (
     to_json,
     trusted_snapshot,
 )
-from store.store import StageEntry, Store
+from store.worker.active_call import ActiveCall, build_generation_chunk_record, build_prefix_record, record_spans
 
 log = logging.getLogger("store.cuts")
 

@@ -530,15 +530,18 @@ def encode_mask(mask: FloatColumn) -> bytes:
     return stored
 
 
-def decode_mask(data: bytes) -> FloatColumn:
+def decode_mask(data: bytes, length: int) -> FloatColumn:
+    """The mask column of a record of ``length`` tokens (its ids column's length)."""
     tag = data[:1]
     if tag == _MASK_RUN:
         carry = int.from_bytes(data[1:9], "big")
         total = int.from_bytes(data[9:17], "big")
+        # Checked before anything is allocated: damaged counts must not ask for gigabytes.
+        if len(data) != 17 or total != length or carry > total:
+            raise ValueError(f"run-length mask of {total} tokens, {carry} carry, does not fit {length} token ids")
         f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4")
         column = FloatColumn.from_f32(f32)
-        if carry <= total:
-            column._carry = carry  # built as carry times +0.0 then +1.0: its carry is known
+        column._carry = carry  # built as carry times +0.0 then +1.0: its carry is known
         return column
     if tag == _MASK_RAW:
         return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from store.errors import RebuildError, ReceiptTypeError
-from store.rebuild import LinearizedRow
-from store.records import StagedCallRecord
-from store.routes import MISSING_ROUTE_SENTINEL, RoutedExperts, decode_routed_experts
+from store.rebuild.routes import MISSING_ROUTE_SENTINEL, RoutedExperts, decode_routed_experts
+from store.rebuild.verify import LinearizedRow
+from store.wire.records import StagedCallRecord
 
 
 def with_routed_experts(

@@ -18,10 +18,10 @@ from typing import Any, ClassVar, Literal, TypeVar
 import msgspec
 import numpy as np
 
-from store import digest as _digest
-from store.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
-from store.digest import EMPTY_EXTRAS_DIGEST, STAGING_SCHEMA_VERSION, PackedColumns
 from store.errors import DigestMismatchError, InvalidRecordError
+from store.wire import digest as _digest
+from store.wire.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
+from store.wire.digest import EMPTY_EXTRAS_DIGEST, STAGING_SCHEMA_VERSION, PackedColumns
 
 CaptureMode = Literal["text", "token_in"]
 AdmissionMode = Literal["text", "token_in", "candidate"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from store.records import StagedCallRecord
+    from store.wire.records import StagedCallRecord
 
 
 class EventKind(enum.StrEnum):

@@ -6,9 +6,9 @@ store), so both apply the same rules, fences included.
 
 from __future__ import annotations
 
+from store.append.log import NewEvent, WriteTransaction
 from store.errors import InvalidRecordError
-from store.log import NewEvent, WriteTransaction
-from store.records import StageResult
+from store.wire.records import StageResult
 
 
 def stage_event(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:

@@ -11,15 +11,15 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store import schema
-from store.columns import decode_floats, decode_ids, decode_mask
-from store.digest import PackedColumns, staging_digest_and_columns
-from store.engine import driver_errors, storage_error
 from store.errors import CorruptRecordError, InvalidRecordError, UnknownKeyError
-from store.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, Span
-from store.integrity import DECODE_ERRORS, describe, undecodable_text, verified_event
-from store.projections import CallState, Event
-from store.records import StagedCallSnapshot, trusted_snapshot
+from store.log import schema
+from store.log.engine import driver_errors, storage_error
+from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, Span
+from store.projections.fold import CallState, Event
+from store.queries.integrity import DECODE_ERRORS, describe, undecodable_text, verified_event
+from store.wire.columns import decode_floats, decode_ids, decode_mask
+from store.wire.digest import PackedColumns, staging_digest_and_columns
+from store.wire.records import StagedCallSnapshot, trusted_snapshot
 
 _FETCH_CHUNK = 500
 
@@ -419,11 +419,8 @@ def snapshot_from_event(
 
 def stored_columns(row: Mapping[Any, Any]) -> PackedColumns:
     """A record event's token columns, unpacked (ValueError if the bytes are not a column)."""
-    return PackedColumns(
-        decode_ids(bytes(row["token_ids"])),
-        decode_mask(bytes(row["token_mask"])),
-        decode_floats(bytes(row["log_probs"])),
-    )
+    ids = decode_ids(bytes(row["token_ids"]))
+    return PackedColumns(ids, decode_mask(bytes(row["token_mask"]), len(ids)), decode_floats(bytes(row["log_probs"])))
 
 
 def record_fields(body: RecordBody) -> dict[str, Any]:

@@ -13,9 +13,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from store.columns import FloatColumn, carry_count
 from store.errors import CorruptRecordError
-from store.events import (
+from store.log.events import (
     LEDGER_KINDS,
     RECORD_KINDS,
     RETENTION_KINDS,
@@ -29,7 +28,8 @@ from store.events import (
     TombstoneBody,
     WorkerBody,
 )
-from store.schema import version_key
+from store.log.schema import version_key
+from store.wire.columns import FloatColumn, carry_count
 
 _SPANS_ENCODER = msgspec.msgpack.Encoder()
 _SPANS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int, int]])

@@ -13,18 +13,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from store.active_call import (
-    ActiveCall,
-    build_generation_chunk_record,
-    build_prefix_record,
-    check_active,
-    record_spans,
-    token_ids,
-)
-from store.columns import TokenIds
-from store.cut_records import GenerationCutInventory, GenerationCutReceipt
-from store.cuts import CutServer, resolve_continuation
-from store.digest import compute_chain_hash, hash_token_columns, u64
 from store.errors import (
     AdmissionTypeError,
     CaptureError,
@@ -32,9 +20,13 @@ from store.errors import (
     RolloutFencedError,
     StreamingUnsupportedError,
 )
-from store.events import AdmissionBody, EventKind, Span
-from store.projections import TERMINAL_STATES, generated_spans
-from store.records import (
+from store.log.events import AdmissionBody, EventKind, Span
+from store.projections.fold import TERMINAL_STATES, generated_spans
+from store.store import Store
+from store.wire.columns import TokenIds
+from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
+from store.wire.digest import compute_chain_hash, hash_token_columns, u64
+from store.wire.records import (
     CaptureAdmission,
     CommitCoords,
     GenerationCutContinuation,
@@ -43,7 +35,15 @@ from store.records import (
     StageResult,
     to_json,
 )
-from store.store import Store
+from store.worker.active_call import (
+    ActiveCall,
+    build_generation_chunk_record,
+    build_prefix_record,
+    check_active,
+    record_spans,
+    token_ids,
+)
+from store.worker.cuts import CutServer, resolve_continuation
 
 log = logging.getLogger("store.capture")
 

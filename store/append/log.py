@@ -22,11 +22,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
-from store import failpoints, schema
-from store.checkpointer import Checkpointer
-from store.columns import CHECKSUMMED_COLUMNS, ChecksumParts, encode_floats, encode_ids, encode_mask
-from store.digest import PackedColumns
-from store.engine import (
+from store import failpoints
+from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
+from store.lifecycle import repeat_through_interrupts
+from store.log import schema
+from store.log.checkpointer import Checkpointer
+from store.log.engine import (
     Backend,
     DeferredStatementError,
     Statement,
@@ -36,10 +37,8 @@ from store.engine import (
     storage_error,
     sync_file,
 )
-from store.errors import ReadOnlyStoreError, RolloutFencedError, StorageError, StoreClosedError, StoreError
-from store.events import RECORD_KINDS, EventKind, decode_body, encode_body
-from store.lifecycle import repeat_through_interrupts
-from store.projections import (
+from store.log.events import RECORD_KINDS, EventKind, decode_body, encode_body
+from store.projections.fold import (
     CALL_ROW_COLUMNS,
     ROLLOUT_COLUMNS,
     ROLLOUT_KINDS,
@@ -57,6 +56,8 @@ from store.projections import (
     fold_worker,
     worker_key,
 )
+from store.wire.columns import CHECKSUMMED_COLUMNS, ChecksumParts, encode_floats, encode_ids, encode_mask
+from store.wire.digest import PackedColumns
 
 T = TypeVar("T")
 
@@ -875,7 +876,7 @@ class EventLog:
 
     def _after_commit(self, connection: Any, appended_bytes: int) -> None:
         """Pace WAL checkpoints: a background thread's, then the writer's own to finish it (see
-        ``store.checkpointer``)."""
+        ``store.log.checkpointer``)."""
         checkpointer = self._checkpointer
         if checkpointer is None:
             return

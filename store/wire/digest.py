@@ -16,8 +16,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from store.columns import FloatColumn, TokenIds
 from store.errors import DigestTypeError, DigestValueError
+from store.wire.columns import FloatColumn, TokenIds
 
 STAGING_CALL_DOMAIN = b"nemo-gym-staging-call-v2"
 EXTRAS_DOMAIN = b"nemo-gym-staging-extras-v1"
@@ -393,7 +393,7 @@ def _preimage_head(
     )
 
 
-# The stored forms the audit's fast path reads (store.columns: encode_ids, encode_mask, encode_floats).
+# The stored forms the audit's fast path reads (store.wire.columns: encode_ids, encode_mask, encode_floats).
 _STORED_IDS: dict[bytes, np.dtype[Any]] = {b"4": np.dtype("<u4"), b"8": np.dtype("<u8")}
 _STORED_RUN_MASK = b"R"
 _STORED_F32 = b"F"

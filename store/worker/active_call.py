@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from store.columns import FloatColumn, TokenIds
-from store.digest import build_staging_delta, compute_chain_hash, hash_token_columns
 from store.errors import CaptureDataError, CaptureError
-from store.events import Span
-from store.projections import generated_spans
-from store.records import CaptureAdmission, StagedCallBaseSnapshot, StagedCallRecord
+from store.log.events import Span
+from store.projections.fold import generated_spans
+from store.wire.columns import FloatColumn, TokenIds
+from store.wire.digest import build_staging_delta, compute_chain_hash, hash_token_columns
+from store.wire.records import CaptureAdmission, StagedCallBaseSnapshot, StagedCallRecord
 
 
 @dataclass(frozen=True)

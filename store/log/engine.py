@@ -25,7 +25,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
 
 from store.errors import ConfigurationError, MigrationError, StorageError
-from store.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
+from store.log.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
 
 DURABILITY_LEVELS = ("full", "normal")
 BUSY_TIMEOUT_MS = 60_000
@@ -60,7 +60,7 @@ class Backend:
     # Run on the writer connection when the write path takes it, and before it goes back to
     # the pool.  SQLite: the writer does not checkpoint (a commit that crosses the threshold
     # would copy the -wal into the database before returning); ``checkpoint_sql`` runs on
-    # another thread and connection instead (``store.checkpointer``).
+    # another thread and connection instead (``store.log.checkpointer``).
     writer_setup_sql: tuple[str, ...] = ()
     writer_reset_sql: tuple[str, ...] = ()
     checkpoint_sql: str | None = None

@@ -1,0 +1,1 @@
+"""Projections: pure folds of log events into the tables that queries read."""

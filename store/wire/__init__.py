@@ -1,0 +1,1 @@
+"""The wire: Gym-compatible records, their digests and packed token columns (pure, no storage)."""
