@@ -21,10 +21,11 @@
 
     .venv/bin/python tools/bench_linearize.py [--quick] [--json] [--rounds R]
 
-A linearize makes about 1 MB of fresh columns (decoded ids, the row's three columns) and frees
-them; whether glibc hands the freed heap top back to the system, so the next call faults them
-in again (~190 page faults, about a third of a call), depends on the heap's layout, which moves
-with incidental allocations of the process.  The page faults per linearize are reported.  To
+A linearize decodes the records' columns into one block (512 KiB here; the row is a view of
+it) and frees it; whether glibc hands a freed heap top back to the system, so the next call
+faults it in again, depends on the heap's layout, which moves with incidental allocations of
+the process (before the block, a linearize made about 1 MB of separate columns: ~190 faults,
+about a third of a call).  The page faults per linearize are reported.  To
 see linearize's own cost without that effect, run with the heap top kept (evidence only: the
 target is judged on a default run):
 
