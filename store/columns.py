@@ -479,7 +479,10 @@ class FloatColumn(Sequence[float]):
         """Whether any selected position differs from 0.0 (-0.0 counts as 0.0)."""
         if self._values is not None:
             return bool((self._values[where] != 0.0).any())
-        return bool(((self._f32.view(np.uint32)[where] & _ABS_BITS) != 0).any())
+        bits = self._f32.view(np.uint32)[where]
+        if not np.count_nonzero(bits):  # every pattern +0.0 (a carry's log-probs, as written): one C pass
+            return False
+        return bool(((bits & _ABS_BITS) != 0).any())
 
     def tolist(self) -> list[float]:
         return list(self.array.tolist())
