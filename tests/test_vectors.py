@@ -560,3 +560,22 @@ def test_build_staging_delta_columns_hash_like_the_same_plain_values() -> None:
 @pytest.mark.skipif(not SHARED_COPY.exists(), reason="no shared/ folder beside the repo")
 def test_repo_copy_of_the_vectors_matches_shared() -> None:
     assert REPO_COPY.read_bytes() == SHARED_COPY.read_bytes(), "tests/data/vectors.json is stale; copy it again"
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("0123456789abcdef" * 4, True),
+        ("0123456789ABCDEF" * 4, False),  # upper case
+        ("0123456789abcdef" * 4 + "\n", False),  # a trailing newline (a regex ``$`` would take it)
+        ("0123456789abcdef" * 4 + "0", False),
+        (("0123456789abcdef" * 4)[:-1], False),
+        (" " + ("0123456789abcdef" * 4)[1:], False),  # bytes.fromhex would skip the space
+        ("\u0660" + ("0123456789abcdef" * 4)[1:], False),  # an Arabic-Indic digit: a digit, not hex
+        (("0123456789abcdef" * 4)[:-1] + "g", False),
+        (b"ab" * 32, False),
+        (None, False),
+    ],
+)
+def test_a_digest_is_exactly_64_lowercase_hex_characters(value: object, expected: bool) -> None:
+    assert digest.is_digest_hex(value) is expected

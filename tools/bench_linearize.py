@@ -10,7 +10,9 @@
   no read, decoding or copying at all.  And two fair floors: a raw ``sqlite3`` read of exactly
   the rows linearize reads (same tables, columns and filters; the store's connect pragmas),
   on a fresh connection per read and on one kept connection (the store's pool keeps its
-  connections), each followed by that hashing floor.  Reported per round: store / sha256,
+  connections), each followed by that hashing floor.  And the kept-connection floor plus
+  building the row's three columns from the stored forms it read (one allocation, no
+  checks): the least any linearize that returns a row does.  Reported per round: store / sha256,
   floor / sha256 and store / floor, so the note can say whether <= 3x is reachable at all.
 * export memory: two stores, one with N rollouts and one with 10 N (2 calls x 1,024 tokens
   each), are built in one subprocess each; each is exported to a file by a fresh
@@ -19,10 +21,11 @@
 
     .venv/bin/python tools/bench_linearize.py [--quick] [--json] [--rounds R]
 
-A linearize makes about 1 MB of fresh columns (decoded ids, the row's three columns) and frees
-them; whether glibc hands the freed heap top back to the system, so the next call faults them
-in again (~190 page faults, about a third of a call), depends on the heap's layout, which moves
-with incidental allocations of the process.  The page faults per linearize are reported.  To
+A linearize decodes the records' columns into one block (512 KiB here; the row is a view of
+it) and frees it; whether glibc hands a freed heap top back to the system, so the next call
+faults it in again, depends on the heap's layout, which moves with incidental allocations of
+the process (before the block, a linearize made about 1 MB of separate columns: ~190 faults,
+about a third of a call).  The page faults per linearize are reported.  To
 see linearize's own cost without that effect, run with the heap top kept (evidence only: the
 target is judged on a default run):
 
@@ -147,6 +150,52 @@ def raw_reader(
     return read
 
 
+def row_reader(path: str, rollout_id: str, keys: list[str], admitted_kind: str, kept: sqlite3.Connection) -> Any:
+    """The kept-connection read of ``raw_reader``, plus what any linearize must also make of the
+    rows it read: the training row's three columns, decoded from the stored forms into one
+    allocation (ids widened to big-endian u64, the run-length mask expanded to binary32 0.0/1.0,
+    log-probs copied), in key order.  No checksum, validation or object is made."""
+    family = (rollout_id, f"{rollout_id}-a", f"{rollout_id}-b")
+    marks = ", ".join("?" for _ in keys)
+    keyed = (
+        "SELECT k.*, e.* FROM staged_keys AS k LEFT OUTER JOIN events AS e ON e.seq = k.event_seq "
+        f"WHERE k.staging_key IN ({marks})"
+    )
+
+    def read() -> int:
+        seen = 0
+        for sql, params in ((_RAW_CALLS, family), (_RAW_ADMISSIONS, (*family, admitted_kind))):
+            for row in kept.execute(sql, params):
+                seen += sum(len(value) for value in row if isinstance(value, bytes | str))
+        cursor = kept.execute(keyed, tuple(keys))
+        names = [column[0] for column in cursor.description]
+        key_at, ids_at, mask_at, lps_at = (
+            names.index(name) for name in ("staging_key", "token_ids", "token_mask", "log_probs")
+        )
+        found = {row[key_at]: row for row in cursor}
+        records = [found[key] for key in keys]
+        counts = [(len(row[ids_at]) - 1) // 4 for row in records]
+        total = sum(counts)
+        raw = np.empty(16 * total, dtype=np.uint8)
+        ids = raw[: 8 * total].view(">u8")
+        mask, lps = raw[8 * total : 12 * total].view(">f4"), raw[12 * total :].view(">f4")
+        start = 0
+        for row, count in zip(records, counts, strict=True):
+            stored_ids, stored_mask, stored_lps = row[ids_at], row[mask_at], row[lps_at]
+            assert stored_ids[:1] == b"4" and stored_mask[:1] == b"R" and stored_lps[:1] == b"F"  # the bench's forms
+            end = start + count
+            ids[start:end] = np.frombuffer(stored_ids, dtype="<u4", offset=1)
+            carry = int.from_bytes(stored_mask[1:9], "big")
+            mask[start : start + carry] = 0.0
+            mask[start + carry : end] = 1.0
+            lps[start:end] = np.frombuffer(stored_lps, dtype=">f4", offset=1)
+            seen += sum(len(value) for value in row if isinstance(value, bytes | str))
+            start = end
+        return seen
+
+    return read
+
+
 def _cpu_median(fn: Any, block: int) -> float:
     """Median CPU seconds (this process) of ``block`` calls of ``fn``, after one warm-up call."""
     fn()
@@ -211,7 +260,9 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
         raw_read = raw_reader(path, "bench-rollout", keys, EventKind.CALL_ADMITTED.value)
         kept = _raw_connection(path)
         warm_read = raw_reader(path, "bench-rollout", keys, EventKind.CALL_ADMITTED.value, kept)
-        assert raw_read() == warm_read() > CALLS * TOKENS * 4  # every token column is read (ids: 4 B a token)
+        row_read = row_reader(path, "bench-rollout", keys, EventKind.CALL_ADMITTED.value, kept)
+        # Every token column is read (ids: 4 B a token).
+        assert raw_read() == warm_read() == row_read() > CALLS * TOKENS * 4
 
         def read_floor() -> None:
             # The fair floor: read exactly the stored rows, then the hashing a trust-nothing
@@ -223,6 +274,11 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
             warm_read()
             floor()
 
+        def row_floor() -> None:
+            # The kept-connection floor, plus decoding the stored columns into the row's columns.
+            row_read()
+            floor()
+
         ratios: list[float] = []
         cpu_ratios: list[float] = []
         things: list[float] = []
@@ -230,8 +286,16 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
         floors: list[float] = []
         reads: list[float] = []
         warms: list[float] = []
+        rowed: list[float] = []
         for index in range(rounds):
-            steps = [(things, thing), (bases, baseline), (floors, floor), (reads, read_floor), (warms, warm_floor)]
+            steps = [
+                (things, thing),
+                (bases, baseline),
+                (floors, floor),
+                (reads, read_floor),
+                (warms, warm_floor),
+                (rowed, row_floor),
+            ]
             shift = index % len(steps)
             for samples, step in steps[shift:] + steps[:shift]:  # rotate which goes first
                 samples.append(measure(step, repeat=block).median)
@@ -244,6 +308,8 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
         store_vs_read = [t / r for t, r in zip(things, reads, strict=True)]
         warm_ratios = [w / b for w, b in zip(warms, bases, strict=True)]
         store_vs_warm = [t / w for t, w in zip(things, warms, strict=True)]
+        row_ratios = [r / b for r, b in zip(rowed, bases, strict=True)]
+        store_vs_row = [t / r for t, r in zip(things, rowed, strict=True)]
         kept.close()
     report.table(
         f"linearize, {CALLS} calls x {TOKENS} tokens ({rounds} rounds of {block} each)",
@@ -254,6 +320,7 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
             ["hashing floor (ms)", *(f"{f(floors) * 1e3:.2f}" for f in (statistics.median, min, max))],
             ["read + hashing floor (ms)", *(f"{f(reads) * 1e3:.2f}" for f in (statistics.median, min, max))],
             ["kept-connection floor (ms)", *(f"{f(warms) * 1e3:.2f}" for f in (statistics.median, min, max))],
+            ["kept floor + row columns (ms)", *(f"{f(rowed) * 1e3:.2f}" for f in (statistics.median, min, max))],
             ["store / sha256, per round", *(f"{f(ratios):.2f}" for f in (statistics.median, min, max))],
             ["CPU store / sha256, per round", *(f"{f(cpu_ratios):.2f}" for f in (statistics.median, min, max))],
             ["page faults per linearize (mean)", f"{faults[0] / max(faults[1], 1):.0f}", "", ""],
@@ -262,6 +329,8 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
             ["store / read+hash floor", *(f"{f(store_vs_read):.2f}" for f in (statistics.median, min, max))],
             ["kept floor / sha256", *(f"{f(warm_ratios):.2f}" for f in (statistics.median, min, max))],
             ["store / kept floor", *(f"{f(store_vs_warm):.2f}" for f in (statistics.median, min, max))],
+            ["kept floor + row / sha256", *(f"{f(row_ratios):.2f}" for f in (statistics.median, min, max))],
+            ["store / kept floor + row", *(f"{f(store_vs_row):.2f}" for f in (statistics.median, min, max))],
         ],
     )
     report.results["floor_ratio"] = _stats(floor_ratios)
@@ -269,6 +338,8 @@ def bench_linearize(report: Report, folder: str, rounds: int, block: int) -> Non
     report.results["store_vs_read_floor"] = _stats(store_vs_read)
     report.results["kept_floor_ratio"] = _stats(warm_ratios)
     report.results["store_vs_kept_floor"] = _stats(store_vs_warm)
+    report.results["row_floor_ratio"] = _stats(row_ratios)
+    report.results["store_vs_row_floor"] = _stats(store_vs_row)
     report.results["linearize_ratio"] = _stats(ratios)
     report.results["linearize_cpu_ratio"] = _stats(cpu_ratios)
     # glibc returns a freed heap top to the system past a threshold: whether linearize's ~1 MB

@@ -93,7 +93,7 @@ def rollout_records(reader: Reader, rollout_id: str) -> RolloutRecords:
         if not rows:
             raise ReceiptVerificationError("empty_manifest", f"rollout {bare!r} has no completed call")
         keys = [default_staging_key(call.capture_key, call.state.model_call_id) for call in rows]
-        snapshots = [chunk.snapshot for chunk in reader.fetch_with_spans(keys, verify_digests=False)]
+        snapshots = [chunk.snapshot for chunk in reader.fetch_with_spans(keys, verify_digests=False, contiguous=True)]
         admitted = admissions(reader, bare, {call.capture_key for call in rows})
     manifest = [
         _manifest_row(bare, call, snapshot, admitted.get((call.capture_key, call.state.model_call_id)))

@@ -17,7 +17,7 @@ from store.log.engine import driver_errors, storage_error
 from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, Span
 from store.projections.fold import CallState, Event
 from store.queries.integrity import DECODE_ERRORS, describe, undecodable_text, verified_event
-from store.wire.columns import decode_floats, decode_ids, decode_mask
+from store.wire.columns import ColumnBlock, decode_floats, decode_ids, decode_mask, stored_id_count
 from store.wire.digest import PackedColumns, staging_digest_and_columns
 from store.wire.records import StagedCallSnapshot, trusted_snapshot
 
@@ -250,8 +250,15 @@ class Reader:
     def fetch(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StagedCallSnapshot]:
         return [chunk.snapshot for chunk in self.fetch_with_spans(keys, verify_digests=verify_digests)]
 
-    def fetch_with_spans(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StoredChunk]:
-        """Snapshots with the policy-version spans and kind of their events, in the order asked."""
+    def fetch_with_spans(
+        self, keys: Sequence[str], *, verify_digests: bool = True, contiguous: bool = False
+    ) -> list[StoredChunk]:
+        """Snapshots with the policy-version spans and kind of their events, in the order asked.
+
+        ``contiguous``: the records' columns are decoded side by side into one ``ColumnBlock``,
+        in the order asked (a rollout read for linearizing: its chain's row is then a view).
+        The block lives as long as any of them, so this is for records used together.
+        """
         wanted = list(dict.fromkeys(keys))
         for key in wanted:
             if not isinstance(key, str) or not key:
@@ -265,7 +272,16 @@ class Reader:
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise UnknownKeyError(f"no staged record under {len(missing)} key(s): {shown}")
-        chunks = {key: _stored_chunk(key, row, verify_digests) for key, row in rows.items()}
+        block, starts = None, dict.fromkeys(wanted, 0)
+        if contiguous:
+            total = 0
+            for key in wanted:
+                starts[key] = total
+                total += stored_id_count(rows[key]["token_ids"])  # 0: not a stored column; decoded alone
+            block = ColumnBlock(total)
+        chunks = {key: _stored_chunk(key, row, verify_digests, block, starts[key]) for key, row in rows.items()}
+        if block is not None:
+            block.seal()
         return [chunks[key] for key in keys]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
@@ -357,13 +373,15 @@ class Reader:
         return bytes(body.receipt)
 
 
-def _stored_chunk(key: str, row: Mapping[Any, Any], verify_digest: bool) -> StoredChunk:
-    snapshot, spans = staged_record(key, row, verify_digest=verify_digest)
+def _stored_chunk(
+    key: str, row: Mapping[Any, Any], verify_digest: bool, block: ColumnBlock | None, start: int
+) -> StoredChunk:
+    snapshot, spans = staged_record(key, row, verify_digest=verify_digest, block=block, start=start)
     return StoredChunk(snapshot, spans, EventKind(row["kind"]))  # checked to be a record kind just above
 
 
 def staged_record(
-    key: str, row: Mapping[Any, Any], *, verify_digest: bool = True
+    key: str, row: Mapping[Any, Any], *, verify_digest: bool = True, block: ColumnBlock | None = None, start: int = 0
 ) -> tuple[StagedCallSnapshot, list[Span]]:
     """The record staged under ``key``: the event its ``staged_keys`` row names, checked to be
     that key's record (never another call's), then verified and rebuilt with its spans."""
@@ -383,17 +401,24 @@ def staged_record(
         )
     if row["key_digest"] != body.digest:
         raise CorruptRecordError(f"staged key {key!r} expects digest {row['key_digest']!r}, {where} holds another")
-    return snapshot_from_event(event, row, verify_digest=verify_digest)
+    return snapshot_from_event(event, row, verify_digest=verify_digest, block=block, start=start)
 
 
 def snapshot_from_event(
-    event: Event, row: Mapping[Any, Any], *, verify_digest: bool = True
+    event: Event,
+    row: Mapping[Any, Any],
+    *,
+    verify_digest: bool = True,
+    block: ColumnBlock | None = None,
+    start: int = 0,
 ) -> tuple[StagedCallSnapshot, list[Span]]:
-    """Rebuild a verified record event's snapshot and spans (its digest re-hashed unless told not)."""
+    """Rebuild a verified record event's snapshot and spans (its digest re-hashed unless told not).
+
+    With ``block``, its columns are decoded into the block at ``start`` when they can be."""
     body: RecordBody = event.body
     where = describe(row)
     try:
-        columns = stored_columns(row)
+        columns = stored_columns(row, block, start)
         if verify_digest:
             digest, columns = staging_digest_and_columns(
                 **record_fields(body),
@@ -417,8 +442,13 @@ def snapshot_from_event(
     return snapshot, spans
 
 
-def stored_columns(row: Mapping[Any, Any]) -> PackedColumns:
-    """A record event's token columns, unpacked (ValueError if the bytes are not a column)."""
+def stored_columns(row: Mapping[Any, Any], block: ColumnBlock | None = None, start: int = 0) -> PackedColumns:
+    """A record event's token columns, unpacked (ValueError if the bytes are not a column);
+    into ``block`` at ``start`` when given and they are stored forms of one length."""
+    if block is not None:
+        decoded = block.decode_into(start, row["token_ids"], row["token_mask"], row["log_probs"])
+        if decoded is not None:
+            return PackedColumns(*decoded)
     ids = decode_ids(bytes(row["token_ids"]))
     return PackedColumns(ids, decode_mask(bytes(row["token_mask"]), len(ids)), decode_floats(bytes(row["log_probs"])))
 

@@ -347,8 +347,8 @@ def _linearize_chain(verified: _Verified, leaf_id: str | None, chain_index: int 
     return LinearizedRow(
         rollout_id=verified.receipt.rollout_id,
         token_ids=TokenIds.concat(ids),
-        token_mask=_binary32(masks),
-        logprobs=_binary32(logprobs),
+        token_mask=FloatColumn.concat_binary32(masks),
+        logprobs=FloatColumn.concat_binary32(logprobs),
         model_call_ids=[row.model_call_id for row in chain],
         prompt_len=links[0][1],
         weight_versions=[row.weight_version for row in chain],
@@ -361,11 +361,6 @@ def _linearize_chain(verified: _Verified, leaf_id: str | None, chain_index: int 
         chain_index=chain_index,
         chain_kind=CHAIN_KIND_TERMINAL if chain_index == 0 else CHAIN_KIND_SUBAGENT,
     )
-
-
-def _binary32(parts: Sequence[FloatColumn]) -> FloatColumn:
-    """The concatenated column as the binary32 values the digests verified (what a store read returns)."""
-    return FloatColumn.from_f32(np.concatenate([part.big_endian_f32().view(np.uint32) for part in parts]).view(">f4"))
 
 
 def verify_and_linearize(receipt: RolloutReceipt, snapshots: Sequence[StagedCallBaseSnapshot]) -> LinearizedRow:

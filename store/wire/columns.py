@@ -54,13 +54,20 @@ def _readonly(values: np.ndarray) -> np.ndarray:
 class TokenIds(Sequence[int]):
     """An immutable column of u64 token ids, held big-endian: the form every digest hashes."""
 
-    __slots__ = ("_stored", "_values")
+    __slots__ = ("_block", "_stored", "_values")
 
     def __init__(self, values: np.ndarray) -> None:
         # Trusted: callers pass a validated uint64 array, in either byte order (use
         # ``coerce`` otherwise).  One big-endian copy serves hashing and reading alike.
         self._values = _readonly(_big_endian_u64(values))
         self._stored: bytes | None = None  # encode_ids' result, kept: a column is encoded once
+        self._block: tuple[np.ndarray, int] | None = None  # (block array, start) when a view of a ColumnBlock
+
+    @classmethod
+    def _block_view(cls, base: np.ndarray, start: int, end: int) -> TokenIds:
+        column = cls(base[start:end])
+        column._block = (base, start)
+        return column
 
     @classmethod
     def coerce(cls, ids: Any, name: str = "token ids") -> TokenIds:
@@ -92,6 +99,9 @@ class TokenIds(Sequence[int]):
     def concat(cls, parts: Sequence[TokenIds]) -> TokenIds:
         if not parts:
             return cls(np.empty(0, dtype=np.uint64))
+        adjacent = _adjacent_in_block(parts)
+        if adjacent is not None:  # already side by side in one block: the row is a view, not a copy
+            return cls._block_view(*adjacent)
         # Join the big-endian words as bits: no byte swapping.
         return cls(np.concatenate([p._values.view(np.uint64) for p in parts]).view(_U64_BE))
 
@@ -244,6 +254,22 @@ def _squares_below(values: np.ndarray, bound: float) -> bool:
     return True
 
 
+def _adjacent_in_block(parts: Sequence[TokenIds] | Sequence[FloatColumn]) -> tuple[np.ndarray, int, int] | None:
+    """(block array, start, end) when ``parts`` are views of one ``ColumnBlock`` array, each
+    starting where the one before ends; None otherwise."""
+    first = parts[0]._block
+    if first is None:
+        return None
+    base, start = first
+    end = start
+    for part in parts:
+        block = part._block
+        if block is None or block[0] is not base or block[1] != end:
+            return None
+        end += len(part)
+    return base, start, end
+
+
 def _joined_carry(parts: Sequence[FloatColumn]) -> int | None:
     """The carry of binary32 parts joined, from their known carries (-1: some part's is not known).
 
@@ -267,7 +293,7 @@ def _joined_carry(parts: Sequence[FloatColumn]) -> int | None:
 class FloatColumn(Sequence[float]):
     """An immutable column of finite floats hashed as IEEE-754 binary32 (wire-contract 2.5)."""
 
-    __slots__ = ("_carry", "_f32", "_from_storage", "_stored_floats", "_stored_mask", "_values")
+    __slots__ = ("_block", "_carry", "_f32", "_from_storage", "_stored_floats", "_stored_mask", "_values")
 
     def __init__(self, values: np.ndarray | None, f32: np.ndarray) -> None:
         # Trusted: ``values`` are finite float64 (None: the binary32 values widened, made on
@@ -282,6 +308,7 @@ class FloatColumn(Sequence[float]):
         # encode_mask's and encode_floats' results, kept: a column is encoded once.
         self._stored_mask: bytes | None = None
         self._stored_floats: bytes | None = None
+        self._block: tuple[np.ndarray, int] | None = None  # (block array, start) when a view of a ColumnBlock
 
     @classmethod
     def coerce(cls, values: Any, name: str) -> FloatColumn:
@@ -353,6 +380,24 @@ class FloatColumn(Sequence[float]):
     def from_f32(cls, f32: np.ndarray) -> FloatColumn:
         """A column whose values are the given binary32 values widened (exact)."""
         return cls(None, f32)
+
+    @classmethod
+    def _block_view(cls, base: np.ndarray, start: int, end: int) -> FloatColumn:
+        """A column read back from storage, held as positions ``[start, end)`` of a block array."""
+        column = cls(None, base[start:end])
+        column._block = (base, start)
+        return column
+
+    @classmethod
+    def concat_binary32(cls, parts: Sequence[FloatColumn]) -> FloatColumn:
+        """The parts' binary32 values joined, as a column read back from storage holds them
+        (no float64 values): what a linearized row carries, whatever the parts were built from."""
+        adjacent = _adjacent_in_block(parts) if parts else None
+        if adjacent is not None:  # side by side in one block: a view, not a copy
+            column = cls._block_view(*adjacent)
+            column._carry = _joined_carry(parts)  # block views are judged on their binary32 patterns
+            return column
+        return cls.from_f32(np.concatenate([p._f32.view(np.uint32) for p in parts]).view(_F32_BE))
 
     @classmethod
     def concat(cls, parts: Sequence[FloatColumn]) -> FloatColumn:
@@ -434,7 +479,10 @@ class FloatColumn(Sequence[float]):
         """Whether any selected position differs from 0.0 (-0.0 counts as 0.0)."""
         if self._values is not None:
             return bool((self._values[where] != 0.0).any())
-        return bool(((self._f32.view(np.uint32)[where] & _ABS_BITS) != 0).any())
+        bits = self._f32.view(np.uint32)[where]
+        if not np.count_nonzero(bits):  # every pattern +0.0 (a carry's log-probs, as written): one C pass
+            return False
+        return bool(((bits & _ABS_BITS) != 0).any())
 
     def tolist(self) -> list[float]:
         return list(self.array.tolist())
@@ -546,6 +594,76 @@ def decode_mask(data: bytes, length: int) -> FloatColumn:
     if tag == _MASK_RAW:
         return FloatColumn.from_f32(np.frombuffer(data[1:], dtype=">f4"))
     raise ValueError(f"unknown mask column tag {tag!r}")
+
+
+class ColumnBlock:
+    """The three columns of several stored records, back to back in one allocation.
+
+    A rollout read for linearizing decodes each record's stored columns straight into its
+    slot here (``decode_into``), so the training row of a chain stored in order is a view
+    of the block (``TokenIds.concat``, ``FloatColumn.concat_binary32``), never a copy, and a
+    linearize allocates once, not per column and per record.
+    """
+
+    __slots__ = ("_raw", "ids", "log_probs", "mask")
+
+    def __init__(self, count: int) -> None:
+        self._raw = np.empty(16 * count, dtype=np.uint8)  # 8 bytes an id, 4 a mask value, 4 a log-prob
+        self.ids = self._raw[: 8 * count].view(_U64_BE)
+        self.mask = self._raw[8 * count : 12 * count].view(_F32_BE)
+        self.log_probs = self._raw[12 * count :].view(_F32_BE)
+
+    def seal(self) -> None:
+        """Every slot is written: nothing writes the block again."""
+        for values in (self._raw, self.ids, self.mask, self.log_probs):
+            values.flags.writeable = False
+
+    def decode_into(
+        self, start: int, token_ids: Any, token_mask: Any, log_probs: Any
+    ) -> tuple[TokenIds, FloatColumn, FloatColumn] | None:
+        """A record's stored columns decoded into positions ``[start, start + count)``, where
+        ``count`` is ``stored_id_count(token_ids)``; None when any column is not a stored form of
+        that length (the caller decodes it alone, and ``decode_*`` names what is wrong)."""
+        count = stored_id_count(token_ids)
+        end = start + count
+        if not count or end > len(self.ids) or type(token_mask) is not bytes or type(log_probs) is not bytes:
+            return None
+        if log_probs[:1] != _F32_RAW or len(log_probs) != 1 + 4 * count:
+            return None
+        mask_tag = token_mask[:1]
+        if mask_tag == _MASK_RUN:
+            if len(token_mask) != 17:
+                return None
+            carry = int.from_bytes(token_mask[1:9], "big")
+            if int.from_bytes(token_mask[9:17], "big") != count or carry > count:
+                return None
+        elif mask_tag != _MASK_RAW or len(token_mask) != 1 + 4 * count:
+            return None
+        # The u32/u64 little-endian ids widen and swap straight into the big-endian block.
+        self.ids[start:end] = np.frombuffer(token_ids, dtype=_STORED_ID_TYPES[token_ids[:1]], offset=1)
+        self.log_probs[start:end] = np.frombuffer(log_probs, dtype=_F32_BE, offset=1)
+        if mask_tag == _MASK_RUN:
+            self.mask[start : start + carry] = 0.0
+            self.mask[start + carry : end] = 1.0
+        else:
+            self.mask[start:end] = np.frombuffer(token_mask, dtype=_F32_BE, offset=1)
+        mask = FloatColumn._block_view(self.mask, start, end)
+        if mask_tag == _MASK_RUN:
+            mask._carry = carry  # written as carry times +0.0 then +1.0, as decode_mask knows it
+        return TokenIds._block_view(self.ids, start, end), mask, FloatColumn._block_view(self.log_probs, start, end)
+
+
+_STORED_ID_TYPES: dict[bytes, np.dtype[Any]] = {_IDS_U32: np.dtype("<u4"), _IDS_U64: np.dtype("<u8")}
+
+
+def stored_id_count(token_ids: Any) -> int:
+    """How many ids a stored ids column holds, from its tag and length; 0 when it is not one."""
+    if type(token_ids) is not bytes:
+        return 0
+    dtype = _STORED_ID_TYPES.get(token_ids[:1])
+    if dtype is None or (len(token_ids) - 1) % dtype.itemsize:
+        return 0
+    return (len(token_ids) - 1) // int(dtype.itemsize)
 
 
 def encode_floats(values: FloatColumn) -> bytes:

@@ -392,10 +392,13 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         prehashed = _PREHASHED.get()
         if prehashed is not None and prehashed[2]:
             return  # from_components computed extras_digest from this very payload
-        try:
-            computed = _digest.compute_extras_digest(self.extras)
-        except (ValueError, TypeError) as exc:
-            raise _fail(name, f"extras: {exc}") from exc
+        if self.extras is None:
+            computed = EMPTY_EXTRAS_DIGEST  # the extras digest of null, a constant (most records)
+        else:
+            try:
+                computed = _digest.compute_extras_digest(self.extras)
+            except (ValueError, TypeError) as exc:
+                raise _fail(name, f"extras: {exc}") from exc
         if computed != self.extras_digest:
             raise DigestMismatchError(f"{name}: extras_digest does not match the extras payload")
 
