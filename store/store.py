@@ -88,7 +88,7 @@ class Store:
             wal_path=wal_path(self._url),
             read_only=self._read_only,
         )
-        self._reader = Reader(self._engine)
+        self._reader = Reader(self._engine, self._backend)
         self._retention = removal.RetentionStatements(self._engine)
         self._retain = retention_retain.RetainStatements(self._engine)
         self._pid = os.getpid()
@@ -505,7 +505,7 @@ class Store:
     @operation
     def ledger(self) -> CaptureLedger:
         """The capture ledger (wire-contract 6.5) over this store's log and fences."""
-        return CaptureLedger(self._log, self._engine, self._retention, self._calls, self._check_process)
+        return CaptureLedger(self._log, self._reader, self._retention, self._calls, self._check_process)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -27,7 +27,9 @@ from store import (
     Store,
     compute_chain_hash,
     hash_token_ids,
+    open_store,
 )
+from store.lineage import linearize as linearize_module
 
 ROW_FIELDS = (
     "token_ids",
@@ -271,6 +273,29 @@ def test_linearize_reads_a_rollout_on_one_connection(store: Store) -> None:
         sa.event.remove(store._engine, "checkout", count)
     assert list(row.token_ids) == expected
     assert len(checkouts) == 1
+
+
+def test_linearize_reads_one_snapshot_while_the_rollout_is_deleted(
+    store: Store, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls, records and admissions come from one snapshot: a delete that commits between
+    linearize's reads changes nothing it returns (without the snapshot, its records are gone)."""
+    two_call_rollout(store, "r0", interrupted=True)
+    before = store.linearize("r0")
+    read_calls = linearize_module.family_calls
+
+    def calls_then_delete(*args: Any) -> Any:
+        calls = read_calls(*args)
+        with open_store(store_url) as other:  # another writer commits meanwhile
+            assert other.delete(["r0", "r0-a1"])
+        return calls
+
+    monkeypatch.setattr(linearize_module, "family_calls", calls_then_delete)
+    assert store.linearize("r0") == before
+    monkeypatch.undo()
+    with pytest.raises(ReceiptVerificationError) as caught:
+        store.linearize("r0")
+    assert caught.value.code == "empty_manifest"
 
 
 def test_a_failed_read_in_a_pinned_block_is_a_storage_error_and_frees_the_pin(store: Store) -> None:

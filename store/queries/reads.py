@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 
 from store.errors import CorruptRecordError, InvalidRecordError, UnknownKeyError
 from store.log import schema
-from store.log.engine import driver_errors, storage_error
+from store.log.engine import Backend, driver_errors, storage_error
 from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, Span
 from store.projections.fold import CallState, Event
 from store.queries.integrity import DECODE_ERRORS, describe, undecodable_text, verified_event
@@ -212,9 +212,10 @@ def _keyed_rows(connection: sa.Connection, keys: list[str]) -> Iterator[dict[str
 class Reader:
     """Read queries over pooled connections; driver errors become ``StorageError``."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, backend: Backend) -> None:
         self._engine = engine
         self._errors = driver_errors(engine)
+        self._begin_snapshot = backend.begin_snapshot_sql
         # The connection a ``pinned`` block reads on, per thread and task (a context variable).
         self._pinned: ContextVar[sa.Connection | None] = ContextVar(f"store_reader_{id(self)}", default=None)
 
@@ -235,17 +236,20 @@ class Reader:
 
     @contextmanager
     def pinned(self, action: str) -> Iterator[None]:
-        """Every read inside the block shares one connection: one pool checkout for a read made
-        of several queries (``Store.linearize`` reads calls, records and admissions)."""
+        """Every read inside the block shares one connection and one read transaction: a read
+        made of several queries (``Store.linearize`` reads calls, records and admissions) sees
+        one snapshot of the log, whatever commits meanwhile, and takes one pool checkout."""
         if self._pinned.get() is not None:
             yield
             return
         with self.connection(action) as connection:
+            connection.exec_driver_sql(self._begin_snapshot)
             token = self._pinned.set(connection)
             try:
                 yield
             finally:
                 self._pinned.reset(token)
+                connection.rollback()  # read only: ends the snapshot
 
     def fetch(self, keys: Sequence[str], *, verify_digests: bool = True) -> list[StagedCallSnapshot]:
         return [chunk.snapshot for chunk in self.fetch_with_spans(keys, verify_digests=verify_digests)]

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
 
 from store import arguments
 from store.append.log import EventLog, NewEvent, WriteTransaction
@@ -64,13 +63,13 @@ class CaptureLedger:
     def __init__(
         self,
         log: EventLog,
-        engine: Engine,
+        reader: Reader,
         statements: removal.RetentionStatements,
         calls: CallGate,
         check_process: Callable[[], None],
     ) -> None:
         self._log = log
-        self._reader = Reader(engine)
+        self._reader = reader
         self._sql = statements
         self._calls = calls  # the store's lifecycle gate: a closed store refuses ledger calls too
         self._check_process = check_process
