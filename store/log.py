@@ -330,13 +330,15 @@ def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, 
     if removed or new.staging_key is None or list(added) != [new.staging_key]:
         return None
     key = added[new.staging_key]
-    values = {f"e_{name}": value for name, value in zip(EVENT_INSERT_COLUMNS, event_row, strict=True)}
-    values.update(
-        (f"c_{name}", value) for name, value in zip(CALL_ROW_COLUMNS, fold_call(None, event).row_values(), strict=True)
-    )
+    values = dict(zip(_NEW_EVENT_PARAMS, event_row, strict=True))
+    values.update(zip(_NEW_CALL_PARAMS, fold_call(None, event).row_values(), strict=True))
     values.update(k_staging_key=new.staging_key, k_rollout_id=key.rollout_id, k_model_call_id=key.model_call_id)
     values["k_digest"] = key.digest
     return values
+
+
+_NEW_EVENT_PARAMS = tuple(f"e_{name}" for name in EVENT_INSERT_COLUMNS)
+_NEW_CALL_PARAMS = tuple(f"c_{name}" for name in CALL_ROW_COLUMNS)
 
 
 class StageLookup(NamedTuple):
