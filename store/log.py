@@ -747,7 +747,7 @@ class EventLog:
         # Streams this writer saw exist, most recent last: a lone stage of one of them does not
         # guess a new stream.  A hint only (another process may write any stream): the guess's
         # own guard decides what is written.
-        self._known_streams: dict[tuple[str, str], None] = {}
+        self._known_streams: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._guessing = False  # the batch being written may guess (``WriteTransaction.guess_new_stream``)
         self._reset_state()
 
@@ -1018,10 +1018,10 @@ class EventLog:
         """Note streams seen to exist (most recent last; the oldest forgotten past ``KNOWN_STREAMS``)."""
         known = self._known_streams
         for stream in streams:
-            known.pop(stream, None)
             known[stream] = None
+            known.move_to_end(stream)
         while len(known) > KNOWN_STREAMS:
-            del known[next(iter(known))]
+            known.popitem(last=False)
 
     def _after_commit(self, connection: Any, appended_bytes: int) -> None:
         """Pace WAL checkpoints: a background thread's, then the writer's own to finish it (see
