@@ -1012,7 +1012,8 @@ class EventLog:
                 raise _GuessMissed
             transaction.last_seq = int(row[0])
             transaction.streams.append(transaction.guessed_stream)
-        self._remember(transaction.streams)
+        if self._backend.pipelined:  # only a PostgreSQL stage guesses
+            self._remember(transaction.streams)
 
     def _remember(self, streams: list[tuple[str, str]]) -> None:
         """Note streams seen to exist (most recent last; the oldest forgotten past ``KNOWN_STREAMS``)."""
