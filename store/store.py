@@ -175,7 +175,7 @@ class Store:
         """
         event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
         stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
-        return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,))
+        return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
 
     @operation
     def stage_all(

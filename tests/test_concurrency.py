@@ -240,6 +240,9 @@ def test_one_callers_error_does_not_undo_the_rest_of_its_batch(store: Store, mon
             raise RuntimeError(f"projection refused {event.model_call_id}")
 
     monkeypatch.setattr(log_module.WriteTransaction, "_project", failing_project)
+    # Every stage projects through ``_project`` (PostgreSQL's first, lone stage would otherwise
+    # send its rows in one guarded statement, not projected there).
+    monkeypatch.setattr(log_module.WriteTransaction, "guess_new_stream", lambda self, new: False)
     records = [make_record(rollout_id="bad" if t % 3 == 0 else "good", model_call_id=f"c{t}") for t in range(THREADS)]
     results: dict[int, StageResult | BaseException] = {}
 

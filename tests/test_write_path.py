@@ -21,7 +21,7 @@ from factories import make_record
 
 from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_store
 from store.append.log import EventLog
-from store.errors import StorageError
+from store.errors import RolloutFencedError, StorageError, UnknownKeyError
 from store.lifecycle import CallGate
 from store.log import checkpointer as checkpointer_module
 from store.log import engine as engine_module
@@ -667,9 +667,12 @@ def test_a_durable_restage_on_postgres_commits_a_record_that_flushes_the_log(sto
 
         durable._log._writer = lambda: Recording(writer())  # type: ignore[method-assign]
         assert durable.stage(record).ok
-        # A commit with a transaction id writes a commit record and, with synchronous_commit
-        # on, waits until the log is flushed up to it (the unsynced commit included).
-        assert len(xids) == 1 and xids[0] is not None
+        # ``durable`` never saw this stream, so its lone stage first guesses a new stream: that
+        # guarded statement finds the record and writes nothing, its COMMIT has no transaction
+        # id.  The stage then runs again, reading first: a commit with a transaction id writes a
+        # commit record and, with synchronous_commit on, waits until the log is flushed up to
+        # it (the unsynced commit included).
+        assert len(xids) == 2 and xids[0] is None and xids[1] is not None
 
 
 def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -707,10 +710,20 @@ def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monk
 
 
 def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A new record: one lookup (fence, key, call, version), then the event, the calls row and the key."""
+    """A new record: one lookup (fence, key, call, version), then the event, the calls row and the
+    key; on PostgreSQL a lone stage of a new stream sends those three in one guarded statement."""
     from store.append.log import WriteTransaction
 
     executed: list[str] = []
+    guessed: list[bool] = []
+    original_guess = WriteTransaction.guess_new_stream
+
+    def counting_guess(self: WriteTransaction, new: Any) -> bool:
+        sent = original_guess(self, new)
+        guessed.append(sent)
+        return sent
+
+    monkeypatch.setattr(WriteTransaction, "guess_new_stream", counting_guess)
     original = WriteTransaction._execute
 
     def counting(self: WriteTransaction, statement: Any, values: dict[str, Any]) -> Any:
@@ -730,11 +743,19 @@ def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypat
     try:
         record = make_record(rollout_id="lean")
         assert store.stage(record).ok
-        assert executed == ["SELECT", "INSERT", "INSERT", "INSERT"]
+        if store.backend == "postgresql":
+            assert guessed == [True] and executed == []  # no read, nothing else sent
+        else:
+            assert guessed == [False] and executed == ["SELECT", "INSERT", "INSERT", "INSERT"]
         executed.clear()
-        assert store.stage(record).ok  # an identical re-stage: the lookup alone
-        assert executed == ["SELECT"]
+        guessed.clear()
+        assert store.stage(record).ok  # an identical re-stage of a stream it wrote: the lookup alone
+        assert guessed == [False] and executed == ["SELECT"]
         assert store.call("lean", record.model_call_id) is not None
+        executed.clear()
+        monkeypatch.setattr(WriteTransaction, "guess_new_stream", lambda self, new: False)
+        assert store.stage(make_record(rollout_id="lean", model_call_id="other")).ok  # reading first
+        assert executed == ["SELECT", "INSERT", "INSERT", "INSERT"]
     finally:
         store.close()
 
@@ -771,3 +792,107 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
             "body": body, "token_ids": ids, "token_mask": mask, "log_probs": log_probs,
         }
         assert event.checksum_parts.checksum(version, pid, recorded_at) == event_checksum(row)
+
+
+# --- PostgreSQL: a lone stage guesses a new stream (one round trip) -----------------------------
+
+
+def _counting_guesses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Notes whether each lone stage sent its guarded new-stream statement."""
+    from store.append.log import WriteTransaction
+
+    sent: list[bool] = []
+    original = WriteTransaction.guess_new_stream
+
+    def counting(self: WriteTransaction, new: Any) -> bool:
+        guessed = original(self, new)
+        sent.append(guessed)
+        return guessed
+
+    monkeypatch.setattr(WriteTransaction, "guess_new_stream", counting)
+    return sent
+
+
+def test_guessed_stages_write_what_stages_reading_first_write(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guarded statement's rows are the append's: replay (projections refolded from the
+    events) and the audit agree, and each record reads back; a guess is only tried on PostgreSQL."""
+    sent = _counting_guesses(monkeypatch)
+    store = open_store(store_url)
+    try:
+        records = [make_record(rollout_id=f"g{n % 2}", model_call_id=f"c{n}") for n in range(6)]
+        for record in records:
+            assert store.stage(record).ok
+        assert sent == [store.backend == "postgresql"] * len(records)
+        assert event_count(store_url) == len(records)
+        for record in records:
+            assert store.fetch([record.staging_key])[0].digest == record.digest
+            call = store.call(record.rollout_id, record.model_call_id)
+            assert call is not None and call.state == "completed"
+        assert store.replay().ok
+        assert store.audit().ok
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not os.environ.get("STORE_TEST_POSTGRES_URL"), reason="needs STORE_TEST_POSTGRES_URL")
+def test_a_missed_guess_writes_nothing_and_the_stage_reads_first(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer made the stream, the key or a fence: the guarded statement writes nothing
+    and the stage runs again, reading first, with the usual outcome (identical re-stage, refusal,
+    fence)."""
+    if "://" not in store_url:
+        pytest.skip("PostgreSQL only")
+    record = make_record(rollout_id="miss", model_call_id="c1")
+    other = make_record(rollout_id="miss", model_call_id="c1", generated=(30, 31))
+    with open_store(store_url) as first, open_store(store_url) as second:
+        assert first.stage(record).ok
+        sent = _counting_guesses(monkeypatch)
+        assert second.stage(record).ok  # identical: nothing new
+        refused = second.stage(other)  # (a known stream now: read first, no guess)
+        assert not refused.ok and "already holds a different record" in (refused.error or "")
+        # The guess missed (nothing written) and the stage ran again; then no guess at all.
+        assert sent == [True, False, False] and event_count(store_url) == 1
+        sent.clear()
+        third = make_record(rollout_id="miss", model_call_id="c2", generated=(40,))
+        with open_store(store_url) as fresh:
+            refused = fresh.stage(other)  # a guess that misses on the key, then the refusal
+            assert not refused.ok and "already holds a different record" in (refused.error or "")
+            first.retire(["miss"])
+            with pytest.raises(RolloutFencedError):
+                fresh.stage(third)  # a new stream of a fenced capture key: the guard, then the fence
+        assert sent == [True, False, True, False]  # each guess missed, each stage ran again
+        assert event_count(store_url) == 2  # the record and the fence
+        with pytest.raises(UnknownKeyError):
+            first.fetch([third.staging_key])
+        assert first.replay().ok
+
+
+@pytest.mark.skipif(not os.environ.get("STORE_TEST_POSTGRES_URL"), reason="needs STORE_TEST_POSTGRES_URL")
+def test_a_failing_guessed_statement_writes_no_row_and_the_stage_reads_first(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guarded statement fails on the server after its event insert (its calls row breaks a
+    NOT NULL): none of its rows commit, and the stage is run again reading first."""
+    if "://" not in store_url:
+        pytest.skip("PostgreSQL only")
+    from store.append import log as log_module
+
+    original = log_module.new_stream_values
+
+    def broken(*args: Any) -> dict[str, Any] | None:
+        values = original(*args)
+        assert values is not None
+        return {**values, "c_state": None}
+
+    monkeypatch.setattr(log_module, "new_stream_values", broken)
+    sent = _counting_guesses(monkeypatch)
+    store = open_store(store_url)
+    try:
+        record = make_record(rollout_id="broken")
+        assert store.stage(record).ok
+        assert sent[0] is True and event_count(store_url) == 1
+        assert store.fetch([record.staging_key])[0].digest == record.digest
+        assert store.replay().ok and store.audit().ok
+    finally:
+        store.close()

@@ -10,9 +10,13 @@ Pairs (each ratio = store records/s over raw records/s in the same round):
 * ``store x1``  vs ``raw 1/txn``  -- one thread calls ``Store.stage``; raw: one INSERT, then COMMIT;
 * ``store x16`` vs ``raw 16/txn`` -- 16 threads stage concurrently (group commit); raw: one
   ``executemany`` of 16 rows (psycopg sends it as one pipeline), then COMMIT;
-* ``floor x1``  vs ``raw 1/txn``  -- for scale: the store's own statements for each stage
-  (advisory lock, its lookup with the event's nextval, the event, calls and key inserts) through raw psycopg
-  in one pipeline per transaction, parameters built before the clock: what this schema allows.
+* ``floor x1``  vs ``raw 1/txn``  -- for scale: the store's own statements for a lone stage of a
+  new stream (BEGIN, advisory lock, the guarded event + calls + key statement, COMMIT: one wait)
+  through raw psycopg in one pipeline per transaction, parameters built before the clock: what
+  this schema allows;
+* ``lookup x1`` vs ``raw 1/txn``  -- the same with the statements a stage sends when it reads first
+  (advisory lock, its lookup with the event's nextval -- one wait -- then the event, calls and key
+  inserts and COMMIT -- another wait): the floor before lone stages guessed a new stream.
 
 The raw side inserts, for every record, the very row the store keeps in its ``events`` table
 (msgpack body, packed ids, mask and log-probs, xxh3 checksum, encoded before the clock starts)
@@ -47,7 +51,7 @@ from _bench_common import Report, Target, fsync_seconds, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
 from store import StagedCallRecord, open_store
-from store.append.log import EVENT_INSERT_COLUMNS, _Statements
+from store.append.log import EVENT_INSERT_COLUMNS, NewEvent, _Statements, new_stream_values
 from store.log import schema
 from store.log.engine import postgresql_backend
 from store.log.events import EventKind, record_body
@@ -202,8 +206,8 @@ def floor_params(record: StagedCallRecord, row: EventRow) -> FloorParams:
     return lookup, event, call, key
 
 
-class FloorSide:
-    """For scale: the store's own statements for each stage through raw psycopg in one
+class LookupFloorSide:
+    """For scale: the statements of a stage that reads first, through raw psycopg in one
     pipeline per transaction (BEGIN, advisory lock, the lookup with the event's nextval -- one
     wait -- then the event, calls and key inserts and COMMIT -- one wait), parameters built
     before the clock."""
@@ -244,6 +248,58 @@ class FloorSide:
             raise AssertionError(f"floor: {stored} keys stored, {self.rows} expected")
 
 
+def guessed_params(record: StagedCallRecord, row: EventRow) -> dict[str, Any]:
+    """The parameters of the store's guarded new-stream statement for ``record`` (its event
+    row's pid and time, so the same bytes as the raw side's row)."""
+    body = record_body(record, generated_spans(record.columns.token_mask, record.weight_version))
+    kind, key = EventKind.CALL_COMPLETED, record.staging_key
+    new = NewEvent(kind, record.rollout_id, record.model_call_id, body, key, record.columns)
+    event = dict(zip(_COLUMNS, row, strict=True))
+    values = new_stream_values(new, event["writer_pid"], event["recorded_at"])
+    assert values is not None and values["e_checksum"] == event["checksum"]
+    return values
+
+
+class FloorSide:
+    """For scale: the store's own statements for a lone stage of a new stream through raw
+    psycopg in one pipeline per transaction (BEGIN, advisory lock, the guarded event + calls +
+    key statement, COMMIT: one wait), parameters built before the clock."""
+
+    def __init__(self, url: str, name: str) -> None:
+        open_store(url, schema=name).close()  # the store's schema, migrated
+        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+        self.sql = _Statements(engine).stage_new
+        engine.dispose()
+        assert self.sql is not None
+        self.lock = postgresql_backend(name).begin_write_sql
+        self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")
+        self.connection.execute("SET synchronous_commit = on")
+        self.name, self.rows = name, 0
+
+    def run(self, stages: list[dict[str, Any]]) -> float:
+        connection, sql = self.connection, self.sql
+        assert sql is not None
+        start = time.perf_counter()
+        for values in stages:
+            cursor, guarded = connection.cursor(), connection.cursor()  # the store's two cursors
+            with connection.pipeline():
+                cursor.execute("BEGIN")
+                cursor.execute(self.lock)
+                guarded.execute(sql, values)
+                cursor.execute("COMMIT")
+            if guarded.fetchone() is None:
+                raise AssertionError("floor: the guarded statement wrote nothing")
+        elapsed = time.perf_counter() - start
+        self.rows += len(stages)
+        return elapsed
+
+    def close(self) -> None:
+        stored = self.connection.execute("SELECT count(*) FROM staged_keys").fetchone()
+        self.connection.close()
+        if stored is None or stored[0] != self.rows:
+            raise AssertionError(f"floor: {stored} keys stored, {self.rows} expected")
+
+
 def schema_name(variant: str, index: int) -> str:
     return f"bench_pg_{variant.replace(' ', '_').replace('/', '_')}_{os.getpid()}_{index}"
 
@@ -266,14 +322,16 @@ def main() -> int:
     rows = [event_row(record) for record in records]
     bytes_per_record = statistics.fmean(sum(len(value) for value in row if isinstance(value, bytes)) for row in rows)
 
-    floor_stages = [floor_params(record, row) for record, row in zip(records, rows, strict=True)]
+    lookup_stages = [floor_params(record, row) for record, row in zip(records, rows, strict=True)]
+    floor_stages = [guessed_params(record, row) for record, row in zip(records, rows, strict=True)]
 
     raw1, raw_many, store1, store_many = "raw 1/txn", f"raw {THREADS}/txn", "store x1", f"store x{THREADS}"
-    floor1 = "floor x1"
+    floor1, lookup1 = "floor x1", "lookup x1"
     threads = {store1: 1, store_many: THREADS}
     batch_of = {raw1: 1, raw_many: THREADS}
-    per_block = {store1: block, raw1: block, floor1: block, store_many: block * THREADS, raw_many: block * THREADS}
-    groups: list[tuple[str, ...]] = [(store1, raw1, floor1), (store_many, raw_many)]
+    per_block = {store1: block, raw1: block, floor1: block, lookup1: block}
+    per_block.update({store_many: block * THREADS, raw_many: block * THREADS})
+    groups: list[tuple[str, ...]] = [(store1, raw1, floor1, lookup1), (store_many, raw_many)]
     elapsed: dict[str, list[float]] = {name: [] for name in per_block}
     batches: list[int] = []
     fsyncs: list[float] = []
@@ -281,7 +339,7 @@ def main() -> int:
         for group in groups:
             fsyncs.append(fsync_seconds(samples=8, data_only=True))
             names = {name: schema_name(name, index) for name in group}
-            sides: dict[str, StoreSide | RawSide | FloorSide] = {}
+            sides: dict[str, StoreSide | RawSide | FloorSide | LookupFloorSide] = {}
             spent = dict.fromkeys(group, 0.0)
             try:
                 for name in group:
@@ -289,6 +347,8 @@ def main() -> int:
                         sides[name] = StoreSide(url, names[name], threads[name])
                     elif name == floor1:
                         sides[name] = FloorSide(url, names[name])
+                    elif name == lookup1:
+                        sides[name] = LookupFloorSide(url, names[name])
                     else:
                         sides[name] = RawSide(url, names[name], batch_of[name])
                 for turn in range(blocks):
@@ -301,6 +361,8 @@ def main() -> int:
                             spent[name] += side.run(records[span])
                         elif isinstance(side, FloorSide):
                             spent[name] += side.run(floor_stages[span])
+                        elif isinstance(side, LookupFloorSide):
+                            spent[name] += side.run(lookup_stages[span])
                         else:
                             spent[name] += side.run(rows[span])
                 for side in sides.values():
@@ -339,7 +401,8 @@ def main() -> int:
         ],
     )
     table = []
-    for name, base in ((store1, raw1), (store_many, raw_many), (floor1, raw1), (store1, floor1)):
+    pairs = ((store1, raw1), (store_many, raw_many), (floor1, raw1), (lookup1, raw1), (store1, floor1))
+    for name, base in pairs:
         per_round = ratios(name, base)
         key = f"{name} / {base}"
         report.results[key] = {
@@ -373,8 +436,9 @@ def main() -> int:
     one = statistics.median(ratios(store1, raw1))
     many = statistics.median(ratios(store_many, raw_many))
     report.notes.append(
-        f"{floor1} = the store's own statements per stage through raw psycopg, one pipeline per transaction, "
-        "no store code (for scale, no target)"
+        f"{floor1} = the store's own statements for a lone stage of a new stream through raw psycopg, one "
+        f"pipeline per transaction, no store code; {lookup1} = the same for a stage that reads first "
+        "(for scale, no target)"
     )
     report.targets.append(Target("pg_staging_1_stager_vs_raw_1_per_txn", one, ">=", TARGET_1))
     report.targets.append(Target(f"pg_staging_{THREADS}_stagers_vs_raw_{THREADS}_per_txn", many, ">=", TARGET_MANY))

@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -194,6 +194,7 @@ class _Statements:
         postgres = engine.dialect.name == "postgresql"
         self.stage_lookups = _stage_lookups(engine) if postgres else None
         self.stage_lookup_seq = _stage_lookup(engine, next_seq=True) if postgres else None
+        self.stage_new = _stage_new_stream_sql(engine) if postgres else None
         workers = schema.workers
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
@@ -232,6 +233,41 @@ def _stage_lookup(engine: Engine, *, next_seq: bool = False) -> Statement:
     if next_seq:
         picked.append(sa.literal_column("nextval(pg_get_serial_sequence('events', 'seq'))").label("next_seq"))
     return Statement(sa.select(*picked).select_from(joined), engine)
+
+
+def _stage_new_stream_sql(engine: Engine) -> str:
+    """PostgreSQL: a record that opens a new stream, in one statement (``WriteTransaction.
+    guess_new_stream``): its event, calls row and key are inserted, with a seq taken under the
+    write lock, only if the stream has no event and no calls row, the key is free and the
+    capture key is not fenced -- exactly when ``stage_lookup`` would find nothing and the
+    append would write these rows.  Returns the seq, or no row (nothing written).
+
+    Parameters are named after their columns (``e_``, ``c_``, ``k_`` per table); each is cast
+    to its column's type, as the inserts take them from a SELECT."""
+    events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
+
+    def cast(prefix: str, column: sa.Column[Any]) -> str:
+        return f"%({prefix}{column.name})s::{column.type.compile(dialect=engine.dialect)}"
+
+    def insert(table: sa.Table, prefix: str, seq_column: str) -> str:
+        names = [c.name for c in table.c]
+        picked = ["s.seq" if c.name == seq_column else cast(prefix, c) for c in table.c]
+        return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT {', '.join(picked)} FROM s"
+
+    rollout, call = cast("e_", events.c.rollout_id), cast("e_", events.c.model_call_id)
+    key = cast("e_", events.c.staging_key)
+    stream = f"rollout_id = {rollout} AND model_call_id = {call}"
+    return (
+        "WITH s AS (SELECT nextval(pg_get_serial_sequence('events', 'seq')) AS seq"
+        f" WHERE NOT EXISTS (SELECT 1 FROM {events.name} WHERE {stream})"
+        f" AND NOT EXISTS (SELECT 1 FROM {calls.name} WHERE {stream})"
+        f" AND NOT EXISTS (SELECT 1 FROM {keys.name} WHERE staging_key = {key})"
+        f" AND NOT EXISTS (SELECT 1 FROM {rollouts.name} WHERE rollout_id = {rollout} AND fenced <> 0)),"
+        f" e AS ({insert(events, 'e_', 'seq')}),"
+        f" c AS ({insert(calls, 'c_', 'last_seq')}),"
+        f" k AS ({insert(keys, 'k_', 'event_seq')})"
+        " SELECT seq FROM s"
+    )
 
 
 def _stage_lookups(engine: Engine) -> Statement:
@@ -281,6 +317,31 @@ def _lookup_columns(last_version: sa.ScalarSelect[Any]) -> list[sa.ColumnElement
     ]
 
 
+def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, Any] | None:
+    """The parameters of ``_stage_new_stream_sql`` for ``new`` (a record opening its stream):
+    the rows ``append`` would write for it, folded the same way, the seq left to the statement.
+    None if ``new`` adds other keys than its own or withdraws any (not a plain record)."""
+    body, token_ids, token_mask, log_probs = new.stored
+    event_row = (
+        new.rollout_id, new.model_call_id, 1, new.kind.value, new.staging_key, pid, recorded_at,
+        body, token_ids, token_mask, log_probs, new.checksum_parts.checksum(1, pid, recorded_at),
+    )
+    event = Event(0, new.kind, new.rollout_id, new.model_call_id, 1, new.staging_key, new.body)
+    added, removed = fold_keys(event)
+    if removed or new.staging_key is None or list(added) != [new.staging_key]:
+        return None
+    key = added[new.staging_key]
+    values = dict(zip(_NEW_EVENT_PARAMS, event_row, strict=True))
+    values.update(zip(_NEW_CALL_PARAMS, fold_call(None, event).row_values(), strict=True))
+    values.update(k_staging_key=new.staging_key, k_rollout_id=key.rollout_id, k_model_call_id=key.model_call_id)
+    values["k_digest"] = key.digest
+    return values
+
+
+_NEW_EVENT_PARAMS = tuple(f"e_{name}" for name in EVENT_INSERT_COLUMNS)
+_NEW_CALL_PARAMS = tuple(f"c_{name}" for name in CALL_ROW_COLUMNS)
+
+
 class StageLookup(NamedTuple):
     """What one stage found in the transaction (``WriteTransaction.stage_lookup``); a named
     tuple: built once per stage inside the batch, where a frozen dataclass costs more."""
@@ -293,10 +354,25 @@ class StageLookup(NamedTuple):
 class WriteTransaction:
     """What a write function may do inside the shared transaction."""
 
-    def __init__(self, cursor: Any, statements: _Statements, pid: int | None = None) -> None:
+    def __init__(
+        self,
+        cursor: Any,
+        statements: _Statements,
+        pid: int | None = None,
+        *,
+        guess: bool = False,
+        known_streams: Container[tuple[str, str]] = (),
+    ) -> None:
         self._cursor = cursor
         self._sql = statements
         self._pid = os.getpid() if pid is None else pid
+        # ``guess_new_stream`` may send its guarded statement (once, before anything else) for
+        # a stream not in ``known_streams`` (streams this writer saw exist: a guess would miss).
+        self._guess = guess and statements.stage_new is not None and hasattr(cursor, "side_cursor")
+        self._known_streams = known_streams
+        self.guessed: Any = None  # the cursor whose row says whether the guess held (None: none sent)
+        self.guessed_stream = ("", "")
+        self.streams: list[tuple[str, str]] = []  # streams found to exist or appended to (the log's hint)
         self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
         self.appended_bytes = 0  # their stored size (paces WAL checkpoints)
         # Capture keys found unfenced in this transaction; a fence appended here clears it.
@@ -415,6 +491,30 @@ class WriteTransaction:
             raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
         self._unfenced.add(rollout_id)
 
+    def guess_new_stream(self, new: NewEvent) -> bool:
+        """PostgreSQL, a lone stage: send ``new`` (a record) as the first event of a new stream in
+        one guarded statement, without reading first; True if sent.  The statement writes exactly
+        what ``stage_lookup`` and ``append`` would for a new stream, and nothing if the stream,
+        the key or a fence exists (seen under the write lock, as the lookup would).  The log reads
+        its row after COMMIT (one round trip for the stage); no row: nothing was written and the
+        log runs the work again, with lookups (``EventLog._write_batch``)."""
+        if not self._guess:
+            return False
+        self._guess = False  # once, and only as the transaction's first statement after the lock
+        if self.appended or new.kind not in RECORD_KINDS or new.staging_key is None:
+            return False
+        if (new.rollout_id, new.model_call_id) in self._known_streams:
+            return False
+        values = new_stream_values(new, self._pid, time.time() if new.recorded_at is None else new.recorded_at)
+        if values is None:
+            return False
+        cursor = self._cursor.side_cursor()
+        cursor.execute(self._sql.stage_new, values)  # not waited for (pipeline)
+        self.guessed, self.guessed_stream = cursor, (new.rollout_id, new.model_call_id)
+        self.appended += 1
+        self.appended_bytes += new.size
+        return True
+
     def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
         """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
         returns the staging key's row, the calls row and the stream's last version."""
@@ -430,6 +530,8 @@ class WriteTransaction:
             if take_seq:
                 self._cursor.give_seq(int(row[-1]))
                 row = row[:-1]
+        if row[2] is not None or row[6] or row[7] is not None:
+            self.streams.append((rollout_id, model_call_id))  # a guess would miss it
         if rollout_id not in self._unfenced:
             if row[0]:
                 raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
@@ -484,6 +586,7 @@ class WriteTransaction:
         self.appended += 1
         self.appended_bytes += new.size
         self.last_seq = seq
+        self.streams.append((new.rollout_id, new.model_call_id))
         event = Event(seq, kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
         self._project(event, call)
         return seq
@@ -570,15 +673,25 @@ class _FailedCaller(Exception):
     """A caller's work failed in a batch run without savepoints."""
 
 
+class _GuessMissed(Exception):
+    """A lone stage's guarded new-stream statement wrote nothing (the stream, key or a fence
+    exists): its transaction committed nothing, and the work runs again with lookups."""
+
+
 class _Pending(Generic[T]):
-    __slots__ = ("ahead", "done", "durable", "error", "result", "wake", "work")
+    __slots__ = ("ahead", "done", "durable", "error", "guess", "result", "wake", "work")
 
     def __init__(
-        self, work: Callable[[WriteTransaction], T], durable: bool, ahead: Sequence[tuple[str, str, str]] = ()
+        self,
+        work: Callable[[WriteTransaction], T],
+        durable: bool,
+        ahead: Sequence[tuple[str, str, str]] = (),
+        guess: bool = False,
     ) -> None:
         self.work = work
         self.durable = durable
         self.ahead = ahead
+        self.guess = guess
         self.done = False
         # Set (holding the log's lock) when the caller should look again: its batch was written,
         # or the writer role is free and it is first in the queue.  Each waiting caller has its
@@ -595,6 +708,7 @@ GATHER_SECONDS = 0.0005
 GATHER_MAX_SECONDS = 0.005
 RECENT_BATCHES = 8  # a batch waits for as many callers as the largest of the last few had
 MAX_BATCH = 1024  # callers a batch takes in at most (a commit must come)
+KNOWN_STREAMS = 4096  # streams remembered as existing (a lone stage of one reads before it writes)
 PAGE_BYTES = 4096
 COMMIT_PAGES = 4  # pages a commit writes beside its events' own bytes (tables' leaves, indexes)
 
@@ -631,6 +745,11 @@ class EventLog:
         self._recent_batches: collections.deque[int] = collections.deque([1], maxlen=RECENT_BATCHES)
         self._expected = 1  # the largest of the recent batches: how many callers a batch waits for
         self._last_commit_seconds = 0.0  # how long the last batch's commit took (bounds the gathering)
+        # Streams this writer saw exist, most recent last: a lone stage of one of them does not
+        # guess a new stream.  A hint only (another process may write any stream): the guess's
+        # own guard decides what is written.
+        self._known_streams: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._guessing = False  # the batch being written may guess (``WriteTransaction.guess_new_stream``)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -655,18 +774,21 @@ class EventLog:
         *,
         durable: bool = True,
         ahead: Sequence[tuple[str, str, str]] = (),
+        guess: bool = False,
     ) -> T:
         """Run ``work`` in a write transaction and return its result once committed.
 
         ``durable=False`` is for bookkeeping events that hold no staged tokens: their commit
         does not wait for the disk unless a durable write shares the batch.  ``ahead``: the
         (rollout, call, key) of each record ``work`` stages, read ahead for the whole batch
-        in one round trip on PostgreSQL (``WriteTransaction.read_ahead``).  Raises
+        in one round trip on PostgreSQL (``WriteTransaction.read_ahead``).  ``guess``: ``work``
+        does nothing but one ``stage_event``, so when it runs alone on PostgreSQL it may send its
+        record as a new stream's, guarded, and be run again if the guess missed.  Raises
         ``StoreClosedError`` if the log is closed before the write began.
         """
         if self._read_only:
             raise ReadOnlyStoreError("this store was opened read-only; nothing was written")
-        pending: _Pending[T] = _Pending(work, durable, ahead)
+        pending: _Pending[T] = _Pending(work, durable, ahead, guess)
         try:
             self._take_turn(pending)
             if self._leader is pending:
@@ -813,12 +935,16 @@ class EventLog:
         self._batch_started = True
         durable = self._durable and any(pending.durable for pending in batch)
         isolate = False
+        # A lone stage while stages come one at a time (a batch of several reads ahead instead).
+        self._guessing = len(batch) == 1 and batch[0].guess and self._expected <= 1 and self._backend.pipelined
         try:
             while True:
                 try:
                     self._run_batch(batch, durable, isolate)
                     failpoints.hit("after_commit")
                     return
+                except _GuessMissed:
+                    self._guessing = False  # nothing was written: run it again, reading first
                 except _FailedCaller:
                     if len(batch) == 1 or isolate:
                         return  # the failing caller's error is set; nothing was committed
@@ -847,8 +973,11 @@ class EventLog:
         mode_set = self._commit_mode == durable
         self._commit_mode = durable
         began = time.monotonic()
+        guess = self._guessing and not isolate
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
-            transaction = WriteTransaction(cursor, self._statements, self._pid)
+            transaction = WriteTransaction(
+                cursor, self._statements, self._pid, guess=guess, known_streams=self._known_streams
+            )
             if len(batch) > 1:  # a lone stage reads its lookup in the round trip of its BEGIN
                 streams = [stream for pending in batch for stream in pending.ahead]
                 transaction.read_ahead(streams, len(streams))
@@ -862,8 +991,10 @@ class EventLog:
                     if pending.error is not None and not isolate:
                         raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
                     index += 1
-                if isolate or not self._take_arrivals(batch, durable, began):
-                    break  # a batch run again isolated keeps exactly its callers
+                if isolate or transaction.guessed is not None or not self._take_arrivals(batch, durable, began):
+                    # A batch run again isolated keeps exactly its callers; so does a guess, which
+                    # may have to run again (the callers it took in would have committed).
+                    break
             committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
             if unsynced and self._backend.force_commit_record_sql is not None:
@@ -873,6 +1004,26 @@ class EventLog:
             sync_file(self._wal_path)
         self._last_commit_seconds = time.perf_counter() - committing
         self._after_commit(connection, transaction.appended_bytes)
+        if transaction.guessed is not None:
+            try:
+                row = transaction.guessed.fetchone()  # arrived with the COMMIT's sync
+            finally:
+                transaction.guessed.close()
+            if row is None:
+                raise _GuessMissed
+            transaction.last_seq = int(row[0])
+            transaction.streams.append(transaction.guessed_stream)
+        if self._backend.pipelined:  # only a PostgreSQL stage guesses
+            self._remember(transaction.streams)
+
+    def _remember(self, streams: list[tuple[str, str]]) -> None:
+        """Note streams seen to exist (most recent last; the oldest forgotten past ``KNOWN_STREAMS``)."""
+        known = self._known_streams
+        for stream in streams:
+            known[stream] = None
+            known.move_to_end(stream)
+        while len(known) > KNOWN_STREAMS:
+            known.popitem(last=False)
 
     def _after_commit(self, connection: Any, appended_bytes: int) -> None:
         """Pace WAL checkpoints: a background thread's, then the writer's own to finish it (see

@@ -14,6 +14,8 @@ from store.wire.records import StageResult
 def stage_event(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResult:
     """Stage a record event under its key, or say why not (an identical re-stage writes nothing)."""
     assert event.staging_key is not None
+    if tx.guess_new_stream(event):  # PostgreSQL, a lone stage: written if new, else run again
+        return StageResult(ok=True, staging_key=event.staging_key)
     # One read: even an identical re-stage of a retired capture key is refused here.
     lookup = tx.stage_lookup(event.rollout_id, event.model_call_id, event.staging_key)
     existing = lookup.key
