@@ -294,24 +294,32 @@ _FAILED = EventKind.CALL_FAILED
 
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
-    # The new row is one dict display over the current one (or the blank row, named for the
-    # event's stream): one dictionary and one object per event.
-    if current is not None:
-        base = current.__dict__
-    else:
-        base = {**_BLANK_FIELDS, "rollout_id": event.rollout_id, "model_call_id": event.model_call_id}
+    # The new row is one dict display over the current one (or the blank row), named for the
+    # event's stream (the current row's own names): one dictionary and one object per event.
+    base = _BLANK_FIELDS if current is None else current.__dict__
+    rollout_id, model_call_id = event.rollout_id, event.model_call_id
     kind, body = event.kind, event.body
     version, seq = event.stream_version, event.seq
     if kind is _ADMITTED and base["state"] in TERMINAL_STATES:
         # The capture refuses to admit a finished call again; an admission that reached the
         # log anyway (a racing worker) must not hide the call's staged terminal record.
-        return _made({**base, "stream_version": version, "last_seq": seq})
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+            }
+        )
     if kind is _ADMITTED:
         assert isinstance(body, AdmissionBody)
         continuation = body.continues
         return _made(
             {
                 **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
                 "stream_version": version,
                 "last_seq": seq,
                 "state": "admitted",
@@ -332,6 +340,8 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
         return _made(
             {
                 **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
                 "stream_version": version,
                 "last_seq": seq,
                 "state": "completed" if kind is _COMPLETED else _live(base["state"], "staging"),
@@ -351,6 +361,8 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
         return _made(
             {
                 **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
                 "stream_version": version,
                 "last_seq": seq,
                 "state": _live(base["state"], "staging"),
@@ -360,8 +372,19 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
             }
         )
     if kind is _FAILED:
-        return _made({**base, "stream_version": version, "last_seq": seq, "state": "failed"})
-    return _made({**base, "stream_version": version, "last_seq": seq})  # keys cleared: only the stream position moves
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+                "state": "failed",
+            }
+        )
+    return _made(
+        {**base, "rollout_id": rollout_id, "model_call_id": model_call_id, "stream_version": version, "last_seq": seq}
+    )  # keys cleared: only the stream position moves
 
 
 def _live(current: str, new: str) -> str:
@@ -378,25 +401,20 @@ def _generated(spans: Any) -> int:
 def fold_keys(event: Event) -> tuple[dict[str, KeyState], list[str]]:
     """Keys the event adds, and keys it withdraws."""
     if event.kind in RECORD_KINDS:
-        assert event.staging_key is not None
-        # Filled through ``__dict__`` (as ``_made``): a frozen dataclass's ``__init__`` is a
-        # share of every pass over the log (KeyState has no __post_init__ and no slots).
-        state = _new_object(KeyState)
-        _set_fields(
-            state,
-            "__dict__",
-            {
-                "event_seq": event.seq,
-                "rollout_id": event.rollout_id,
-                "model_call_id": event.model_call_id,
-                "digest": event.body.digest,
-            },
-        )
-        return {event.staging_key: state}, []
+        key, seq, rollout_id, model_call_id, digest = staged_key_row(event)
+        return {key: KeyState(seq, rollout_id, model_call_id, digest)}, []
     if event.kind is EventKind.KEYS_CLEARED:
         assert isinstance(event.body, KeysClearedBody)
         return {}, list(event.body.staging_keys)
     return {}, []
+
+
+def staged_key_row(event: Event) -> tuple[str, int, str, str, str]:
+    """The ``staged_keys`` row a record event stages, in column order (``fold_keys``' KeyState
+    is made from it; a pass over the log keeps the row itself)."""
+    key = event.staging_key
+    assert key is not None
+    return (key, event.seq, event.rollout_id, event.model_call_id, event.body.digest)
 
 
 def fold_receipt(event: Event) -> tuple[tuple[str, str], int] | None:
