@@ -15,7 +15,6 @@ import operator
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -236,8 +235,6 @@ class _Audit:
         # the events of theirs the pass meets are kept to check the delete really removed them.
         self.deleted = self._deleted_keys()
         self.survivors: dict[str, list[tuple[int, EventKind]]] = {}
-        self.hashing: ThreadPoolExecutor
-        self.pending: tuple[_Record, Future[tuple[str | None, str | None]]] | None = None
 
     # --- the pass ---------------------------------------------------------------------------
 
@@ -247,13 +244,11 @@ class _Audit:
         self._report_progress(0, total)
         if self.walk is None:
             self._file_pages(_quick_check(self.connection) if self.connection.dialect.name == "sqlite" else None)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-audit-hashes") as self.hashing:
-            for row in stored_rows(self.connection):
-                self._event(row)
-                done += 1
-                if done % _PROGRESS_EVERY == 0:
-                    self._report_progress(done, total)
-            self._settle()
+        for row in stored_rows(self.connection):
+            self._event(row)
+            done += 1
+            if done % _PROGRESS_EVERY == 0:
+                self._report_progress(done, total)
         self.counts["events"] = done
         self._deferred_chains()
         self._leaves()
@@ -291,41 +286,9 @@ class _Audit:
             self.progress(done, max(total, done))
 
     def problem(self, code: str, reason: str, **where: Any) -> None:
-        if self.pending is not None:
-            self._settle()  # an earlier record's hashes first: problems keep the order of the log
         self.problems_total += 1
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(AuditProblem(code, reason, **where))
-
-    # --- a record's chain and cumulative hashes, on the hashing thread ------------------------
-
-    def _hash_record(self, record: _Record, ids: TokenIds, chained: bool) -> None:
-        """Hash the record's chain (when its parent is known) and, for a root, its cumulative
-        hash on the hashing thread (hashlib releases the GIL), while the pass reads and digests
-        the next record.  One record is in flight: its result is settled before the next
-        record's is sent, and before any later problem is named."""
-        root = record.parent_call_id is None
-        if not chained and not root:
-            return
-        self._settle()
-        job = self.hashing.submit(_record_hashes, ids, record.parent_chain, chained, root)
-        self.pending = (record, job)
-
-    def _settle(self) -> None:
-        if self.pending is None:
-            return
-        (record, job), self.pending = self.pending, None
-        chain, cumulative = job.result()
-        if chain is not None:
-            self._chain_result(record, chain)
-        if cumulative is not None and cumulative != record.cumulative_hash:
-            reason = "the cumulative hash of a root record is not the hash of its tokens"
-            self.problem(CUMULATIVE, reason, **_where(record))
-
-    def _chain_result(self, record: _Record, chain: str) -> None:
-        if chain != record.chain_hash:
-            parent = "no parent" if record.parent_chain is None else f"parent chain {record.parent_chain[:16]}..."
-            self.problem(CHAIN, f"its chain hash does not recompute from {parent} and its tokens", **_where(record))
 
     def _event(self, row: Mapping[str, Any] | UnreadableRow) -> None:
         if isinstance(row, UnreadableRow):
@@ -409,10 +372,11 @@ class _Audit:
         )
         self.records_by_key[key] = record
         call = self.calls.setdefault((event.rollout_id, event.model_call_id), _Call())
-        chained = self._chain_link(record, call)
-        if not chained:
+        if not self._check_chain(record, token_ids, call):
             self.deferred.append(record)
-        self._hash_record(record, token_ids, chained)
+        if record.parent_call_id is None and hash_token_columns(token_ids) != record.cumulative_hash:
+            reason = "the cumulative hash of a root record is not the hash of its tokens"
+            self.problem(CUMULATIVE, reason, **_where(record))
         if event.kind is EventKind.CALL_COMPLETED:
             self.by_chain.setdefault(record.chain_hash, record)
             call.completed = record
@@ -451,9 +415,8 @@ class _Audit:
             return None
         return columns.token_ids, columns
 
-    def _chain_link(self, record: _Record, call: _Call) -> bool:
-        """Link the record to its parent's chain hash (its own is then recomputed from it);
-        False when the parent is not known yet."""
+    def _check_chain(self, record: _Record, ids: Any, call: _Call) -> bool:
+        """Recompute the record's chain hash from its parent's; False when the parent is not known yet."""
         known, parent_chain = self._parent_chain(record, call)
         if not known:
             return False
@@ -461,6 +424,9 @@ class _Audit:
         if parent_chain is not None:
             self.chained_from.add(parent_chain)
         self.counts["chains"] += 1
+        if compute_chain_hash(parent_chain, ids) != record.chain_hash:
+            parent = "no parent" if parent_chain is None else f"parent chain {parent_chain[:16]}..."
+            self.problem(CHAIN, f"its chain hash does not recompute from {parent} and its tokens", **_where(record))
         return True
 
     def _parent_chain(self, record: _Record, call: _Call) -> tuple[bool, str | None]:
@@ -591,8 +557,7 @@ class _Audit:
             if not known:
                 self.counts["unverifiable"] += 1
                 continue
-            if self._chain_link(record, call):
-                self._chain_result(record, compute_chain_hash(record.parent_chain, self._token_ids(record.seq)))
+            self._check_chain(record, self._token_ids(record.seq), call)
 
     def _leaves(self) -> None:
         """The cumulative hash of each leaf (a terminal record nothing chained from), over its lineage."""
@@ -735,14 +700,6 @@ class _Audit:
         row = difference.live or difference.rebuilt or {}
         seq = row.get("last_seq", row.get("event_seq"))
         self.problem(PROJECTION, f"does not equal a replay of the log: {difference}", seq=seq, **where)
-
-
-def _record_hashes(ids: TokenIds, parent_chain: str | None, chained: bool, root: bool) -> tuple[str | None, str | None]:
-    """A record's chain hash (from its parent's) and, for a root, its cumulative hash."""
-    return (
-        compute_chain_hash(parent_chain, ids) if chained else None,
-        hash_token_columns(ids) if root else None,
-    )
 
 
 def _mapping(names: list[str], row: tuple[Any, ...] | None) -> dict[str, Any] | None:
