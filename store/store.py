@@ -339,7 +339,7 @@ class Store:
             raise InvalidRecordError(f"audit() progress must be callable, got {type(progress).__name__}")
         from store.audit import audit_store  # the audit builds on the store, never the other way
 
-        return audit_store(self._engine, self._backend, progress)
+        return audit_store(self._engine, self._backend, progress, read_only=self._read_only)
 
     # --- policy workers (store.lineage.workers; the coordinator logs them) ---------------------------
 

@@ -362,3 +362,36 @@ def test_damage_no_row_read_meets_is_a_storage_problem(tmp_path: Path) -> None:
         report = store.audit()
     assert not report.ok and "storage" in report.codes()
     assert any("sqlite_autoindex_events_1" in p.reason or "page" in p.reason for p in report.problems)
+    assert report.problems[0].code == "storage"  # the page walk's problems come first, in a fixed place
+
+
+def test_the_page_walk_reads_the_audits_snapshot(tmp_path: Path) -> None:
+    """SQLite: the page walk's connection and the audit's begin at one snapshot (the write lock
+    held meanwhile), so a commit after they began is seen by neither."""
+    from store.audit.store_audit import _begin_together
+
+    with open_store(tmp_path / "store.db") as store:
+        assert store.stage(make_record(rollout_id="a")).ok
+        engine, backend = store._engine, store._backend
+        with engine.connect() as audit, engine.connect() as walk:
+            assert _begin_together(engine, backend, audit, walk)
+            assert store.stage(make_record(rollout_id="b")).ok  # commits after both began
+            seen = [c.exec_driver_sql("SELECT count(*) FROM events").scalar_one() for c in (audit, walk)]
+            audit.rollback()
+            walk.rollback()
+        assert seen == [1, 1]
+
+
+def test_an_audit_walks_pages_on_its_own_connection_while_a_writer_holds_the_lock(tmp_path: Path) -> None:
+    """The audit waits a moment for the write lock to pin its page walk, then walks its own snapshot."""
+    path = tmp_path / "store.db"
+    with open_store(path) as store:
+        assert store.stage(make_record(rollout_id="a")).ok
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            report = store.audit()
+        finally:
+            writer.close()
+        assert report.ok and report.counts["file_checked"] == 1 and report.counts["records"] == 1
+        assert store.audit().counts["file_checked"] == 1

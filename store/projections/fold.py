@@ -91,10 +91,13 @@ class CallState:
     def row_values(self) -> tuple[Any, ...]:
         """The row's values in ``CALL_ROW_COLUMNS`` order (the calls table's column order)."""
         spans = self.spans
-        if spans:
+        if len(spans) == 1:  # the common case: one version generated the call
+            oldest: str | None = version_key(spans[0][2])
+            newest: str | None = oldest
+        elif spans:
             versions = [span[2] for span in spans]
-            oldest: str | None = version_key(min(versions))
-            newest: str | None = version_key(max(versions))
+            oldest = version_key(min(versions))
+            newest = version_key(max(versions))
         else:
             oldest = newest = None
         admitted = self.admitted_version
@@ -115,7 +118,7 @@ class CallState:
             None if admitted is None else version_key(admitted),
             oldest,
             newest,
-            _SPANS_ENCODER.encode(list(spans)),
+            _SPANS_ENCODER.encode(spans),  # a tuple packs as the same msgpack array as a list
             self.last_seq,
         )
 
@@ -262,92 +265,126 @@ def _moved_rollout(base: RolloutState, **changes: Any) -> RolloutState:
     return RolloutState(**{**base.__dict__, **changes})
 
 
-def _moved(base: CallState, **changes: Any) -> CallState:
-    """``dataclasses.replace`` without its per-field bookkeeping: the folds run once per event
-    on the write path and on every pass over the log.  The copy fills the new instance's
-    ``__dict__`` directly: a frozen dataclass's ``__init__`` sets each of its sixteen fields
-    through ``object.__setattr__``, which was most of a fold (CallState has no
-    ``__post_init__`` and no slots, so the result is the same object)."""
-    moved = _new_object(CallState)
-    fields = moved.__dict__
-    fields.update(base.__dict__)
-    fields.update(changes)
-    return moved
+def _made(fields: dict[str, Any]) -> CallState:
+    """A ``CallState`` whose ``__dict__`` is ``fields`` (every field, in any order).
+
+    The folds run once per event on the write path and on every pass over the log.  A frozen
+    dataclass's ``__init__`` sets each of its sixteen fields through ``object.__setattr__``,
+    which was most of a fold; the instance takes the dictionary built for it instead
+    (CallState has no ``__post_init__`` and no slots, so the result is the same object).
+    """
+    made = _new_object(CallState)
+    _set_fields(made, "__dict__", fields)
+    return made
 
 
 _new_object = object.__new__
-_BLANK_CALL = CallState("", "", 0, "admitted")
+_set_fields = object.__setattr__
+_BLANK_FIELDS = CallState("", "", 0, "admitted").__dict__  # a call's row before its first event
 
 
-def _new_call(rollout_id: str, model_call_id: str) -> CallState:
-    """A call's row before its first event (``_moved`` of the blank row, without the keywords)."""
-    moved = _new_object(CallState)
-    fields = moved.__dict__
-    fields.update(_BLANK_CALL.__dict__)
-    fields["rollout_id"] = rollout_id
-    fields["model_call_id"] = model_call_id
-    return moved
+# The kinds ``fold_call`` tells apart, as module globals: a class attribute of an Enum is a
+# slower lookup, and the folds run once per event.
+_ADMITTED = EventKind.CALL_ADMITTED
+_COMPLETED = EventKind.CALL_COMPLETED
+_PREFIX = EventKind.PREFIX_STAGED
+_CHUNK = EventKind.CHUNK_STAGED
+_FAILED = EventKind.CALL_FAILED
 
 
 def fold_call(current: CallState | None, event: Event) -> CallState:
     """The calls row after ``event`` (which belongs to that call's stream)."""
-    base = current if current is not None else _new_call(event.rollout_id, event.model_call_id)
+    # The new row is one dict display over the current one (or the blank row), named for the
+    # event's stream (the current row's own names): one dictionary and one object per event.
+    base = _BLANK_FIELDS if current is None else current.__dict__
+    rollout_id, model_call_id = event.rollout_id, event.model_call_id
+    kind, body = event.kind, event.body
     version, seq = event.stream_version, event.seq
-    body = event.body
-    if event.kind is EventKind.CALL_ADMITTED and base.state in TERMINAL_STATES:
+    if kind is _ADMITTED and base["state"] in TERMINAL_STATES:
         # The capture refuses to admit a finished call again; an admission that reached the
         # log anyway (a racing worker) must not hide the call's staged terminal record.
-        return _moved(base, stream_version=version, last_seq=seq)
-    if event.kind is EventKind.CALL_ADMITTED:
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+            }
+        )
+    if kind is _ADMITTED:
         assert isinstance(body, AdmissionBody)
         continuation = body.continues
-        return _moved(
-            base,
-            stream_version=version,
-            last_seq=seq,
-            state="admitted",
-            parent_call_id=body.parent_call_id,
-            mode=body.mode,
-            prev_len=body.prev_len,
-            continues_rollout_id=continuation[0] if continuation else None,
-            continues_model_call_id=continuation[1] if continuation else None,
-            admitted_version=body.weight_version,
-            cum_len=body.prev_len + body.restored_delta_len if continuation else None,
-            spans=merge_spans(body.restored_spans),
-            generated_tokens=_generated(body.restored_spans),
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+                "state": "admitted",
+                "parent_call_id": body.parent_call_id,
+                "mode": body.mode,
+                "prev_len": body.prev_len,
+                "continues_rollout_id": continuation[0] if continuation else None,
+                "continues_model_call_id": continuation[1] if continuation else None,
+                "admitted_version": body.weight_version,
+                "cum_len": body.prev_len + body.restored_delta_len if continuation else None,
+                "spans": merge_spans(body.restored_spans),
+                "generated_tokens": _generated(body.restored_spans),
+            }
         )
-    if event.kind in (EventKind.PREFIX_STAGED, EventKind.CALL_COMPLETED):
+    if kind is _COMPLETED or kind is _PREFIX:
         assert isinstance(body, RecordBody)
-        state = "completed" if event.kind is EventKind.CALL_COMPLETED else _live(base.state, "staging")
-        return _moved(
-            base,
-            stream_version=version,
-            last_seq=seq,
-            state=state,
-            parent_call_id=body.parent_call_id,
-            mode=body.mode,
-            prev_len=body.prev_len,
-            cum_len=body.cum_len,
-            chain_hash=body.chain_hash,
-            cumulative_hash=body.cumulative_hash,
-            spans=merge_spans(body.spans),
-            generated_tokens=_generated(body.spans),
+        spans = body.spans
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+                "state": "completed" if kind is _COMPLETED else _live(base["state"], "staging"),
+                "parent_call_id": body.parent_call_id,
+                "mode": body.mode,
+                "prev_len": body.prev_len,
+                "cum_len": body.cum_len,
+                "chain_hash": body.chain_hash,
+                "cumulative_hash": body.cumulative_hash,
+                "spans": merge_spans(spans),
+                "generated_tokens": _generated(spans),
+            }
         )
-    if event.kind is EventKind.CHUNK_STAGED:
+    if kind is _CHUNK:
         assert isinstance(body, RecordBody)
-        spans = merge_spans([*base.spans, *body.spans])
-        return _moved(
-            base,
-            stream_version=version,
-            last_seq=seq,
-            state=_live(base.state, "staging"),
-            cum_len=(base.cum_len or body.prev_len) + body.delta_len,
-            spans=spans,
-            generated_tokens=_generated(spans),
+        merged = merge_spans([*base["spans"], *body.spans])
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+                "state": _live(base["state"], "staging"),
+                "cum_len": (base["cum_len"] or body.prev_len) + body.delta_len,
+                "spans": merged,
+                "generated_tokens": _generated(merged),
+            }
         )
-    if event.kind is EventKind.CALL_FAILED:
-        return _moved(base, stream_version=version, last_seq=seq, state="failed")
-    return _moved(base, stream_version=version, last_seq=seq)  # keys cleared: only the stream position moves
+    if kind is _FAILED:
+        return _made(
+            {
+                **base,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "stream_version": version,
+                "last_seq": seq,
+                "state": "failed",
+            }
+        )
+    return _made(
+        {**base, "rollout_id": rollout_id, "model_call_id": model_call_id, "stream_version": version, "last_seq": seq}
+    )  # keys cleared: only the stream position moves
 
 
 def _live(current: str, new: str) -> str:
@@ -364,13 +401,20 @@ def _generated(spans: Any) -> int:
 def fold_keys(event: Event) -> tuple[dict[str, KeyState], list[str]]:
     """Keys the event adds, and keys it withdraws."""
     if event.kind in RECORD_KINDS:
-        assert event.staging_key is not None
-        body = event.body
-        return {event.staging_key: KeyState(event.seq, event.rollout_id, event.model_call_id, body.digest)}, []
+        key, seq, rollout_id, model_call_id, digest = staged_key_row(event)
+        return {key: KeyState(seq, rollout_id, model_call_id, digest)}, []
     if event.kind is EventKind.KEYS_CLEARED:
         assert isinstance(event.body, KeysClearedBody)
         return {}, list(event.body.staging_keys)
     return {}, []
+
+
+def staged_key_row(event: Event) -> tuple[str, int, str, str, str]:
+    """The ``staged_keys`` row a record event stages, in column order (``fold_keys``' KeyState
+    is made from it; a pass over the log keeps the row itself)."""
+    key = event.staging_key
+    assert key is not None
+    return (key, event.seq, event.rollout_id, event.model_call_id, event.body.digest)
 
 
 def fold_receipt(event: Event) -> tuple[tuple[str, str], int] | None:

@@ -30,6 +30,7 @@ from store.projections.fold import (
     fold_receipt,
     fold_rollout,
     fold_worker,
+    staged_key_row,
     worker_key,
 )
 from store.queries.integrity import undecodable_text, verified_event
@@ -209,6 +210,7 @@ def rebuild(connection: sa.Connection, undecodable: list[tuple[int, str]] | None
 # instead of a call into each fold that returns "nothing to do").
 _CALL_KINDS = frozenset(kind for kind in EventKind if affects_call(kind))
 _KEY_KINDS = RECORD_KINDS | {EventKind.KEYS_CLEARED}
+_KEYS_CLEARED = EventKind.KEYS_CLEARED
 # ``Folded.fold`` tests them in turn: keys are folded with calls, the others are disjoint.
 assert _KEY_KINDS <= _CALL_KINDS and not (_CALL_KINDS & (ROLLOUT_KINDS | WORKER_KINDS))
 
@@ -220,7 +222,9 @@ class Folded:
 
     def __init__(self) -> None:
         self.calls: dict[tuple[str, str], CallState] = {}
-        self.keys: dict[str, KeyState] = {}
+        # staged_keys rows as the live table holds them, by primary key: a KeyState per key
+        # only to turn it back into this row was a share of every pass.
+        self.keys: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.receipts: dict[tuple[str, str], int] = {}
         self.rollouts: dict[str, RolloutState] = {}
         self.workers: dict[int, WorkerState] = {}
@@ -232,12 +236,13 @@ class Folded:
             stream = (event.rollout_id, event.model_call_id)
             calls = self.calls
             calls[stream] = fold_call(calls.get(stream), event)
-            if kind in _KEY_KINDS:
-                added, removed = fold_keys(event)
+            if kind in RECORD_KINDS:
+                row = staged_key_row(event)
+                self.keys[(row[0],)] = row
+            elif kind is _KEYS_CLEARED:
                 keys = self.keys
-                for key in removed:
-                    keys.pop(key, None)
-                keys.update(added)
+                for key in fold_keys(event)[1]:
+                    keys.pop((key,), None)
         elif kind is EventKind.CUT_RECEIPT:
             receipt = fold_receipt(event)
             if receipt is not None:
@@ -257,11 +262,7 @@ class Folded:
         name = table.name
         if name == "staged_keys":
             keys, self.keys = self.keys, {}
-            # Built directly: a mapping per key only to reorder it was most of this step.
-            return {
-                (key,): (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
-                for key, state in keys.items()
-            }
+            return keys  # already rows by primary key
         if name == "calls":
             calls, self.calls = self.calls, {}
             return {stream: state.row_values() for stream, state in calls.items()}
@@ -274,7 +275,8 @@ class Folded:
         return {(key,): ordered(state.to_row()) for key, state in self.workers.items()}
 
 
-# staged_keys and calls rows are built as tuples above: the tables' columns must be in that order.
+# staged_keys and calls rows are built as tuples (``staged_key_row``, ``row_values``): the
+# tables' columns must be in that order.
 assert [column.name for column in schema.staged_keys.c] == ["staging_key", *KeyState.__dataclass_fields__]
 assert tuple(column.name for column in schema.calls.c) == CALL_ROW_COLUMNS
 
