@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from factories import make_record
 
-from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_store
+from store import StagedCallRecord, StageEntry, StageResult, Store, StoreClosedError, open_store
 from store import checkpointer as checkpointer_module
 from store import engine as engine_module
 from store import replay as replay_module
@@ -779,3 +779,35 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
             "body": body, "token_ids": ids, "token_mask": mask, "log_probs": log_probs,
         }
         assert event.checksum_parts.checksum(version, pid, recorded_at) == event_checksum(row)
+
+
+def test_events_take_their_seqs_after_what_another_writer_committed_between_two_stages(store_url: str) -> None:
+    """The write path takes each event's seq ahead (SQLite: the highest seq + 1, read under the
+    write lock in every transaction): another writer's commit between two stages is seen, so
+    seqs stay unique and ascending in commit order, and the rows are exactly what a replay folds."""
+    first, second = open_store(store_url), open_store(store_url)  # two writer connections, as two processes
+    try:
+        stagers = [first, second, first, first, second, first]
+        records = [make_record(rollout_id=f"turns-{index}", model_call_id="c0") for index in range(len(stagers))]
+        for stager, record in zip(stagers, records, strict=True):
+            assert stager.stage(record).ok
+        engine = sa.create_engine(
+            f"sqlite:///{store_url}" if "://" not in store_url
+            else store_url.replace("postgresql://", "postgresql+psycopg://", 1)
+        )
+        try:
+            with engine.connect() as connection:
+                rows = connection.execute(sa.text("SELECT seq, rollout_id FROM events ORDER BY seq")).fetchall()
+        finally:
+            engine.dispose()
+        assert [row[1] for row in rows] == [record.rollout_id for record in records]  # seq order = commit order
+        assert len({row[0] for row in rows}) == len(records)
+        batch = [make_record(rollout_id=f"batch-{index}", model_call_id="c0") for index in range(3)]
+        assert all(result.ok for result in first.stage_all([StageEntry(record) for record in batch]))
+        assert second.stage(make_record(rollout_id="after-batch", model_call_id="c0")).ok
+        report = first.replay()
+        assert report.ok, report.summary()
+        assert report.events == len(records) + len(batch) + 1
+    finally:
+        first.close()
+        second.close()
