@@ -1050,16 +1050,16 @@ class EventLog:
                     if pending.error is not None and not isolate:
                         raise _FailedCaller  # roll back; run again isolated (or report a lone caller)
                     index += 1
-                if isolate:
+                if isolate or not self._take_arrivals(batch, durable, began):
                     break  # a batch run again isolated keeps exactly its callers
-                # SQLite: the rows held so far are written before waiting for arrivals, so the
-                # writing overlaps the wait (at commit, only the arrivals' rows are left).
-                self._write_held(transaction)
-                if not self._take_arrivals(batch, durable, began):
-                    break
                 if self._statements.defers and len(batch) - index > 1:  # SQLite: the arrivals' lookups in one read
                     transaction.read_ahead([stream for pending in batch[index:] for stream in pending.ahead], 0)
-            self._write_held(transaction)
+            try:
+                transaction.write_held()
+            except self._driver_errors as exc:
+                if lock_wait_ended(exc):
+                    raise
+                raise DeferredStatementError(exc) from exc  # whose insert: run again, each caller settled
             committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
             if unsynced and self._backend.force_commit_record_sql is not None:
@@ -1069,16 +1069,6 @@ class EventLog:
             sync_file(self._wal_path)
         self._last_commit_seconds = time.perf_counter() - committing
         self._after_commit(connection, transaction.appended_bytes)
-
-    def _write_held(self, transaction: WriteTransaction) -> None:
-        """Write the transaction's held inserts; a failing one is found by running the batch
-        again with each caller settled on its own (as a pipelined statement's failure)."""
-        try:
-            transaction.write_held()
-        except self._driver_errors as exc:
-            if lock_wait_ended(exc):
-                raise
-            raise DeferredStatementError(exc) from exc
 
     def _after_commit(self, connection: Any, appended_bytes: int) -> None:
         """Pace WAL checkpoints: a background thread's, then the writer's own to finish it (see
