@@ -196,8 +196,8 @@ class _Statements:
         self.stage_lookups = _stage_lookups(engine) if postgres else None
         self.stage_lookup_seq = _stage_lookup(engine, next_seq=True) if postgres else None
         self.stage_lookup_max_seq = None if postgres else _stage_lookup(engine, max_seq=True)
-        # SQLite: the hot inserts (event, new calls row, key) are held and written per table in
-        # many-row statements before the next other statement and at commit (``WriteTransaction``),
+        # SQLite: the hot inserts (event, new calls row, key) are held and written per table
+        # with one ``executemany`` before the next read and at commit (``WriteTransaction``),
         # each event at a seq taken ahead (max + 1, under the write lock, as SQLite's own).
         event_at_tuple = _binds_in_order(insert_event_at, engine, ("seq", *EVENT_INSERT_COLUMNS))
         self.defers = not postgres and event_at_tuple and self.call_tuple and self.key_tuple
@@ -392,8 +392,8 @@ class WriteTransaction:
         self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = {}
         self._ahead_by_key: dict[str, tuple[str, str, str]] = {}
         # SQLite: held inserts (events, new calls rows, keys), written by ``write_held`` before
-        # any other statement and at commit, in many-row statements per table: a batch's leader
-        # gives up the GIL (once per statement) a few times per batch, not three times per record.
+        # any other statement and at commit, one ``executemany`` per table: a batch's leader
+        # gives up the GIL a few times per batch, not three times per record.
         self._holds = statements.defers and not self._takes_seqs
         self._held = False
         self._held_events: list[tuple[Any, ...]] = []
