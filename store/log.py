@@ -109,9 +109,7 @@ class _Statements:
         # values as a tuple: no dict per row to be picked apart again.
         self.event_tuple = _binds_in_order(insert_event.returning(events.c.seq), engine, EVENT_INSERT_COLUMNS)
         # PostgreSQL: the seq was taken ahead (``take_seq``), so nothing is read back.
-        insert_event_at = sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c})
-        self.insert_event_at = Statement(insert_event_at, engine)
-        self.max_seq_sql = str(sa.select(sa.func.max(events.c.seq)).compile(dialect=engine.dialect))  # no binds
+        self.insert_event_at = Statement(sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c}), engine)
         self.stream_version = Statement(
             sa.select(sa.func.max(events.c.stream_version)).where(
                 events.c.rollout_id == sa.bindparam("rollout_id"),
@@ -195,36 +193,10 @@ class _Statements:
         postgres = engine.dialect.name == "postgresql"
         self.stage_lookups = _stage_lookups(engine) if postgres else None
         self.stage_lookup_seq = _stage_lookup(engine, next_seq=True) if postgres else None
-        self.stage_lookup_max_seq = None if postgres else _stage_lookup(engine, max_seq=True)
-        # SQLite: the hot inserts (event, new calls row, key) are held and written per table
-        # with one ``executemany`` before the next read and at commit (``WriteTransaction``),
-        # each event at a seq taken ahead (max + 1, under the write lock, as SQLite's own).
-        event_at_tuple = _binds_in_order(insert_event_at, engine, ("seq", *EVENT_INSERT_COLUMNS))
-        self.defers = not postgres and event_at_tuple and self.call_tuple and self.key_tuple
-        self._engine = engine
-        self._sqlite_lookups: dict[int, Statement] = {}
-        self._many_rows: dict[tuple[str, int], str] = {}
         workers = schema.workers
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
-
-    def many_rows(self, insert: Statement, count: int) -> str:
-        """``insert`` (one row, ending in its VALUES group) for ``count`` rows in one statement:
-        SQLite runs it in one step, so the leader gives up the GIL once, not once per row."""
-        sql = self._many_rows.get((insert.sql, count))
-        if sql is None:
-            head, group = insert.sql.rsplit(" VALUES ", 1)
-            sql = self._many_rows[(insert.sql, count)] = f"{head} VALUES {', '.join([group] * count)}"
-        return sql
-
-    def sqlite_stage_lookups(self, count: int) -> Statement:
-        """SQLite: ``_stage_lookup`` (and the highest seq) for ``count`` streams at once, compiled
-        once per count (``READ_AHEAD_MAX`` at most)."""
-        statement = self._sqlite_lookups.get(count)
-        if statement is None:
-            statement = self._sqlite_lookups[count] = _sqlite_stage_lookups(self._engine, count)
-        return statement
 
 
 EVENT_INSERT_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum")  # every events column but seq
@@ -237,11 +209,10 @@ def _binds_in_order(statement: sa.sql.ClauseElement, engine: Engine, names: tupl
     return order is not None and tuple(order) == names
 
 
-def _stage_lookup(engine: Engine, *, next_seq: bool = False, max_seq: bool = False) -> Statement:
+def _stage_lookup(engine: Engine, *, next_seq: bool = False) -> Statement:
     """Everything a stage reads, in one statement: the capture key's fence, the staging key,
     the calls row and the stream's last version (one row always: primary-key left joins).
-    ``next_seq`` (PostgreSQL): and, last, the next event seq, taken under the write lock;
-    ``max_seq`` (SQLite): and, last, the highest event seq."""
+    ``next_seq`` (PostgreSQL): and, last, the next event seq, taken under the write lock."""
     events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
     rollout_id: sa.BindParameter[str] = sa.bindparam("rollout_id")
     model_call_id: sa.BindParameter[str] = sa.bindparam("model_call_id")
@@ -259,8 +230,6 @@ def _stage_lookup(engine: Engine, *, next_seq: bool = False, max_seq: bool = Fal
     picked = _lookup_columns(last_version)
     if next_seq:
         picked.append(sa.literal_column("nextval(pg_get_serial_sequence('events', 'seq'))").label("next_seq"))
-    if max_seq:
-        picked.append(sa.select(sa.func.max(events.c.seq)).scalar_subquery().label("max_seq"))
     return Statement(sa.select(*picked).select_from(joined), engine)
 
 
@@ -293,60 +262,6 @@ def _stage_lookups(engine: Engine) -> Statement:
     )
     picked = _lookup_columns(last_version)
     return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
-
-
-def _sqlite_stage_lookups(engine: Engine, count: int) -> Statement:
-    """SQLite: ``_stage_lookups`` over a VALUES list of ``count`` (n, rollout, call, key) rows
-    (binds ``n0, r0, c0, k0, n1, ...``), one row per stream in the order given, then the
-    highest event seq in each row."""
-    events, keys, calls, rollouts = schema.events, schema.staged_keys, schema.calls, schema.rollouts
-    listed = ", ".join(f"(:n{i}, :r{i}, :c{i}, :k{i})" for i in range(count))
-    wanted = (
-        sa.text(
-            "SELECT column1 AS n, column2 AS rollout_id, column3 AS model_call_id, column4 AS staging_key "
-            f"FROM (VALUES {listed})"
-        )
-        .columns(
-            sa.column("n", sa.Integer),
-            sa.column("rollout_id", sa.String),
-            sa.column("model_call_id", sa.String),
-            sa.column("staging_key", sa.String),
-        )
-        .subquery("wanted")
-    )
-    last_version = (
-        sa.select(sa.func.max(events.c.stream_version))
-        .where(events.c.rollout_id == wanted.c.rollout_id, events.c.model_call_id == wanted.c.model_call_id)
-        .scalar_subquery()
-    )
-    joined = (
-        wanted.outerjoin(rollouts, rollouts.c.rollout_id == wanted.c.rollout_id)
-        .outerjoin(keys, keys.c.staging_key == wanted.c.staging_key)
-        .outerjoin(
-            calls,
-            sa.and_(calls.c.rollout_id == wanted.c.rollout_id, calls.c.model_call_id == wanted.c.model_call_id),
-        )
-    )
-    picked = _lookup_columns(last_version)
-    picked.append(sa.select(sa.func.max(events.c.seq)).scalar_subquery().label("max_seq"))
-    return Statement(sa.select(*picked).select_from(joined).order_by(wanted.c.n), engine)
-
-
-READ_AHEAD_MAX = 64  # SQLite: rows per read-ahead or many-row insert statement
-
-
-def _row_counts(count: int) -> list[int]:
-    """``count`` rows as statements of powers of two rows (at most ``READ_AHEAD_MAX``, largest
-    first): a few statement shapes per table, so each stays in the driver's statement cache."""
-    sizes = [READ_AHEAD_MAX] * (count // READ_AHEAD_MAX)
-    rest = count % READ_AHEAD_MAX
-    size = READ_AHEAD_MAX // 2
-    while rest:
-        if rest >= size:
-            sizes.append(size)
-            rest -= size
-        size //= 2
-    return sizes
 
 
 def _lookup_columns(last_version: sa.ScalarSelect[Any]) -> list[sa.ColumnElement[Any]]:
@@ -391,71 +306,21 @@ class WriteTransaction:
         self._ahead: dict[tuple[str, str, str], Any] = {}
         self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = {}
         self._ahead_by_key: dict[str, tuple[str, str, str]] = {}
-        # SQLite: held inserts (events, new calls rows, keys), written by ``write_held`` before
-        # any other statement and at commit, one ``executemany`` per table: a batch's leader
-        # gives up the GIL a few times per batch, not three times per record.
-        self._holds = statements.defers and not self._takes_seqs
-        self._held = False
-        self._held_events: list[tuple[Any, ...]] = []
-        self._held_calls: list[tuple[Any, ...]] = []
-        self._held_keys: list[tuple[Any, ...]] = []
-        self._next_seq: int | None = None  # SQLite, holding: the next event's seq (None: read it)
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
         self._forget_all_ahead()  # it may change what a read-ahead lookup saw
-        result = self._execute(statement, values)
-        self._next_seq = None  # it may have added or removed events
-        return result
+        return self._execute(statement, values)
 
     def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
         self._forget_all_ahead()
-        self.write_held()
-        self._next_seq = None
         self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
-
-    def write_held(self) -> None:
-        """Write the held inserts, in append order per table (a row that a later statement reads
-        or changes is always written first: every other statement comes through here)."""
-        if not self._held:
-            return
-        self._held = False
-        batches = (
-            (self._sql.insert_event_at, self._held_events),
-            (self._sql.insert_call, self._held_calls),
-            (self._sql.insert_key, self._held_keys),
-        )
-        self._held_events, self._held_calls, self._held_keys = [], [], []
-        cursor = self._cursor
-        for statement, rows in batches:
-            if len(rows) <= 1:  # a lone stage's rows: no multi-row statement to build
-                if rows:
-                    cursor.execute(statement.sql, rows[0])
-                continue
-            start = 0
-            for size in _row_counts(len(rows)):
-                if size == 1:
-                    cursor.execute(statement.sql, rows[start])
-                else:
-                    values = [value for row in rows[start : start + size] for value in row]
-                    cursor.execute(self._sql.many_rows(statement, size), values)
-                start += size
-
-    def _drop_held(self) -> None:
-        """A savepoint's rollback: its inserts never happen (earlier callers' were written at it)."""
-        self._held = False
-        self._held_events, self._held_calls, self._held_keys = [], [], []
-        self._next_seq = None
 
     def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
         """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each) with one
         statement, and take the seqs of ``appends`` events, in one round trip.  A lookup is
         used by ``stage_lookup`` only while nothing written since could have changed it (no
-        event of its rollout or key appended, no other statement run).  SQLite, holding inserts:
-        the same with a VALUES list (one statement, not one per stage), after writing what is held."""
-        if self._holds:
-            self._read_ahead_sqlite(streams)
-            return
+        event of its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
         statement = self._sql.stage_lookups
         side_cursor = getattr(self._cursor, "side_cursor", None)
         if statement is None or side_cursor is None:
@@ -480,28 +345,6 @@ class WriteTransaction:
             self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
             self._ahead_by_key[stream[2]] = stream
 
-    def _read_ahead_sqlite(self, streams: list[tuple[str, str, str]]) -> None:
-        wanted = list(dict.fromkeys(streams))
-        if len(wanted) < 2:
-            return  # a lone stage reads its own lookup: no gain
-        self.write_held()  # the read must see this transaction's earlier appends
-        start = 0
-        for size in _row_counts(len(wanted)):
-            part = wanted[start : start + size]
-            start += size
-            values: dict[str, Any] = {}
-            for index, (rollout_id, model_call_id, staging_key) in enumerate(part):
-                values[f"n{index}"], values[f"r{index}"] = index, rollout_id
-                values[f"c{index}"], values[f"k{index}"] = model_call_id, staging_key
-            statement = self._sql.sqlite_stage_lookups(len(part))
-            rows = self._cursor.execute(statement.sql, statement.params(values)).fetchall()
-            for stream, row in zip(part, rows, strict=True):
-                if self._next_seq is None:
-                    self._next_seq = int(row[-1] or 0) + 1
-                self._ahead[stream] = row[:-1]
-                self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
-                self._ahead_by_key[stream[2]] = stream
-
     def _forget_ahead(self, rollout_id: str, keys: Any) -> None:
         """Drop read-ahead lookups an append made stale (its rollout's, or naming its keys)."""
         if not self._ahead:
@@ -519,8 +362,6 @@ class WriteTransaction:
         self._ahead_by_key.clear()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
-        if self._held:
-            self.write_held()
         return self._cursor.execute(statement.sql, statement.params(values))
 
     def _insert(self, statement: Statement, in_order: bool, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
@@ -578,25 +419,15 @@ class WriteTransaction:
         returns the staging key's row, the calls row and the stream's last version."""
         row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
         if row is None:
-            # PostgreSQL: the event's seq comes with this read (one statement fewer); SQLite,
-            # holding inserts: the highest seq, the first time.
+            # PostgreSQL: the event's seq comes with this read (one statement fewer).
             take_seq = self._takes_seqs and self._sql.stage_lookup_seq is not None and self._cursor.needs_seq()
-            max_seq = self._holds and self._next_seq is None
-            if take_seq:
-                statement = self._sql.stage_lookup_seq
-            elif max_seq:
-                statement = self._sql.stage_lookup_max_seq
-            else:
-                statement = self._sql.stage_lookup
+            statement = self._sql.stage_lookup_seq if take_seq else self._sql.stage_lookup
             assert statement is not None
             row = self._execute(
                 statement, {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key}
             ).fetchone()
             if take_seq:
                 self._cursor.give_seq(int(row[-1]))
-                row = row[:-1]
-            elif max_seq:
-                self._next_seq = int(row[-1] or 0) + 1
                 row = row[:-1]
         if rollout_id not in self._unfenced:
             if row[0]:
@@ -642,15 +473,7 @@ class WriteTransaction:
             body, token_ids, token_mask, log_probs, checksum,
         )
         sql = self._sql
-        if self._holds:
-            seq = self._next_seq
-            if seq is None:
-                self.write_held()
-                seq = int(self._cursor.execute(sql.max_seq_sql).fetchone()[0] or 0) + 1
-            self._next_seq = seq + 1
-            self._held_events.append((seq, *event_row))
-            self._held = True
-        elif self._takes_seqs:
+        if self._takes_seqs:
             seq = int(self._cursor.take_seq())
             stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
             stored["seq"] = seq
@@ -688,10 +511,6 @@ class WriteTransaction:
 
     def _project_call(self, event: Event, current: CallState | None) -> None:
         folded = fold_call(current, event)
-        if current is None and self._holds:
-            self._held_calls.append(folded.row_values())
-            self._held = True
-            return
         if current is None:
             self._insert(self._sql.insert_call, self._sql.call_tuple, CALL_ROW_COLUMNS, folded.row_values())
             return
@@ -707,10 +526,6 @@ class WriteTransaction:
         for key, state in added.items():
             # Callers append a record only under a key they found free in this transaction.
             values = (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
-            if self._holds:
-                self._held_keys.append(values)
-                self._held = True
-                continue
             self._insert(self._sql.insert_key, self._sql.key_tuple, KEY_INSERT_COLUMNS, values)
 
     def _project_worker(self, key: int, event: Event) -> None:
@@ -733,24 +548,20 @@ class WriteTransaction:
         self._unfenced.discard(event.rollout_id)
 
     def settle(self) -> None:
-        """Run every statement held or sent so far and raise the first failure (PostgreSQL
-        sends statements in a pipeline; SQLite holds its hot inserts)."""
-        self.write_held()
+        """Wait for every statement sent so far and raise the first failure (PostgreSQL sends
+        statements in a pipeline; SQLite has run them already)."""
         settle = getattr(self._cursor, "settle", None)
         if settle is not None:
             settle()
 
     def savepoint(self, name: str) -> None:
-        self.write_held()
         self._cursor.execute(f"SAVEPOINT {name}")
 
     def release(self, name: str) -> None:
-        self.write_held()
         self._cursor.execute(f"RELEASE SAVEPOINT {name}")
 
     def rollback_to(self, name: str) -> None:
         self._forget_all_ahead()
-        self._drop_held()
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
 
 
@@ -1052,14 +863,6 @@ class EventLog:
                     index += 1
                 if isolate or not self._take_arrivals(batch, durable, began):
                     break  # a batch run again isolated keeps exactly its callers
-                if self._statements.defers and len(batch) - index > 1:  # SQLite: the arrivals' lookups in one read
-                    transaction.read_ahead([stream for pending in batch[index:] for stream in pending.ahead], 0)
-            try:
-                transaction.write_held()
-            except self._driver_errors as exc:
-                if lock_wait_ended(exc):
-                    raise
-                raise DeferredStatementError(exc) from exc  # whose insert: run again, each caller settled
             committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
             if unsynced and self._backend.force_commit_record_sql is not None:

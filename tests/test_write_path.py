@@ -726,14 +726,6 @@ def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypat
         return original_insert(self, statement, in_order, names, values)
 
     monkeypatch.setattr(WriteTransaction, "_insert", counting_insert)
-    original_held = WriteTransaction.write_held
-
-    def counting_held(self: WriteTransaction) -> None:
-        # SQLite holds its inserts and writes them per table (one statement each) at commit.
-        executed.extend("INSERT" for rows in (self._held_events, self._held_calls, self._held_keys) if rows)
-        original_held(self)
-
-    monkeypatch.setattr(WriteTransaction, "write_held", counting_held)
     store = open_store(store_url)
     try:
         record = make_record(rollout_id="lean")
