@@ -774,9 +774,9 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
 
 
 def test_events_take_their_seqs_after_what_another_writer_committed_between_two_stages(store_url: str) -> None:
-    """The write path takes each event's seq ahead (SQLite: the highest seq + 1, read under the
-    write lock in every transaction): another writer's commit between two stages is seen, so
-    seqs stay unique and ascending in commit order, and the rows are exactly what a replay folds."""
+    """Another writer's commit between two stages is seen by the next one: seqs stay unique
+    and ascending in commit order, and the rows are exactly what a replay folds (a guard for
+    any write path that takes seqs or stream versions ahead of its inserts)."""
     first, second = open_store(store_url), open_store(store_url)  # two writer connections, as two processes
     try:
         stagers = [first, second, first, first, second, first]
