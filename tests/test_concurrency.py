@@ -272,6 +272,66 @@ def test_one_callers_error_does_not_undo_the_rest_of_its_batch(store: Store, mon
     assert report.events == len(good)
 
 
+def test_a_callers_insert_failing_in_the_database_fails_only_that_caller(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row the database refuses (here a key row's primary key) inside a shared batch fails
+    only its own caller, with a store error; the rest of the batch commits."""
+    assert store.stage(make_record(rollout_id="first", model_call_id="c0")).ok
+    taken = make_record(rollout_id="first", model_call_id="c0").staging_key
+    log = store._log
+    original_batch = log._write_batch
+    sizes: list[int] = []
+
+    def gated(batch: list[Any]) -> None:
+        if not sizes:  # hold the first commit until everyone else has queued behind it
+            deadline = time.monotonic() + 30
+            while len(log._queue) < THREADS - 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        sizes.append(0)
+        try:
+            original_batch(batch)
+        finally:
+            sizes[-1] = len(batch)  # callers queued while it ran joined it
+
+    log._write_batch = gated  # type: ignore[method-assign]
+    original_fold_keys = log_module.fold_keys
+
+    def clashing_keys(event: Any) -> Any:
+        added, removed = original_fold_keys(event)
+        if event.rollout_id == "bad":  # its key row names a key already staged: the primary key refuses it
+            (state,) = added.values()
+            added = {taken: state}
+        return added, removed
+
+    monkeypatch.setattr(log_module, "fold_keys", clashing_keys)
+    records = [make_record(rollout_id="bad" if t % 4 == 1 else "good", model_call_id=f"c{t}") for t in range(THREADS)]
+    results: dict[int, StageResult | BaseException] = {}
+
+    def body(t: int) -> None:
+        try:
+            results[t] = store.stage(records[t])
+        except lib.StoreError as exc:
+            results[t] = exc
+
+    assert run_threads(THREADS, body) == []
+    monkeypatch.undo()
+    assert max(sizes) >= THREADS - 1, f"the queued stages were not batched together: {sizes}"
+    good = [t for t in range(THREADS) if records[t].rollout_id == "good"]
+    bad = [t for t in range(THREADS) if records[t].rollout_id == "bad"]
+    for t in good:
+        assert isinstance(results[t], StageResult) and results[t].ok, results[t]  # type: ignore[union-attr]
+    for t in bad:
+        assert isinstance(results[t], lib.StorageError), results[t]
+        with pytest.raises(lib.UnknownKeyError):
+            store.fetch([records[t].staging_key])
+        assert store.call("bad", f"c{t}") is None
+    assert [s.digest for s in store.fetch([records[t].staging_key for t in good])] == [records[t].digest for t in good]
+    report = store.replay()
+    assert report.ok, report.summary()
+    assert report.events == len(good) + 1
+
+
 # --- processes -----------------------------------------------------------------------------------
 
 

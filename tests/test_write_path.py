@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from factories import make_record
 
-from store import StagedCallRecord, StageResult, Store, StoreClosedError, open_store
+from store import StagedCallRecord, StageEntry, StageResult, Store, StoreClosedError, open_store
 from store.append.log import EventLog
 from store.errors import RolloutFencedError, StorageError, UnknownKeyError
 from store.lifecycle import CallGate
@@ -776,8 +776,12 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
     if columns:
         spans = generated_spans(record.columns.token_mask, record.weight_version)
         event = NewEvent(
-            EventKind.CALL_COMPLETED, record.rollout_id, record.model_call_id,
-            record_body(record, spans), staging_key, record.columns,
+            EventKind.CALL_COMPLETED,
+            record.rollout_id,
+            record.model_call_id,
+            record_body(record, spans),
+            staging_key,
+            record.columns,
         )
     else:
         body_ = FailureBody(reason="x" * 3000)  # a body hashed in place (past the inline size)
@@ -787,9 +791,17 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
     cases.append((3, 5, 1_700_000_000))  # an int time: framed as an int, as event_checksum does
     for version, pid, recorded_at in cases:
         row = {
-            "rollout_id": event.rollout_id, "model_call_id": event.model_call_id, "stream_version": version,
-            "kind": event.kind.value, "staging_key": staging_key, "writer_pid": pid, "recorded_at": recorded_at,
-            "body": body, "token_ids": ids, "token_mask": mask, "log_probs": log_probs,
+            "rollout_id": event.rollout_id,
+            "model_call_id": event.model_call_id,
+            "stream_version": version,
+            "kind": event.kind.value,
+            "staging_key": staging_key,
+            "writer_pid": pid,
+            "recorded_at": recorded_at,
+            "body": body,
+            "token_ids": ids,
+            "token_mask": mask,
+            "log_probs": log_probs,
         }
         assert event.checksum_parts.checksum(version, pid, recorded_at) == event_checksum(row)
 
@@ -896,3 +908,36 @@ def test_a_failing_guessed_statement_writes_no_row_and_the_stage_reads_first(
         assert store.replay().ok and store.audit().ok
     finally:
         store.close()
+
+
+def test_events_take_their_seqs_after_what_another_writer_committed_between_two_stages(store_url: str) -> None:
+    """Another writer's commit between two stages is seen by the next one: seqs stay unique
+    and ascending in commit order, and the rows are exactly what a replay folds (a guard for
+    any write path that takes seqs or stream versions ahead of its inserts)."""
+    first, second = open_store(store_url), open_store(store_url)  # two writer connections, as two processes
+    try:
+        stagers = [first, second, first, first, second, first]
+        records = [make_record(rollout_id=f"turns-{index}", model_call_id="c0") for index in range(len(stagers))]
+        for stager, record in zip(stagers, records, strict=True):
+            assert stager.stage(record).ok
+        engine = sa.create_engine(
+            f"sqlite:///{store_url}"
+            if "://" not in store_url
+            else store_url.replace("postgresql://", "postgresql+psycopg://", 1)
+        )
+        try:
+            with engine.connect() as connection:
+                rows = connection.execute(sa.text("SELECT seq, rollout_id FROM events ORDER BY seq")).fetchall()
+        finally:
+            engine.dispose()
+        assert [row[1] for row in rows] == [record.rollout_id for record in records]  # seq order = commit order
+        assert len({row[0] for row in rows}) == len(records)
+        batch = [make_record(rollout_id=f"batch-{index}", model_call_id="c0") for index in range(3)]
+        assert all(result.ok for result in first.stage_all([StageEntry(record) for record in batch]))
+        assert second.stage(make_record(rollout_id="after-batch", model_call_id="c0")).ok
+        report = first.replay()
+        assert report.ok, report.summary()
+        assert report.events == len(records) + len(batch) + 1
+    finally:
+        first.close()
+        second.close()
