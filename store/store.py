@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 @dataclass(frozen=True)
 class StageEntry:
     """One record to stage: under ``staging_key`` (default key if None), as ``kind``, with its version spans."""
@@ -345,12 +346,24 @@ class Store:
 
     @operation
     def record_worker(
-        self, kind: str, pid: int, *, index: int, joined_seq: int | None = None, connected: int, expected: int,
+        self,
+        kind: str,
+        pid: int,
+        *,
+        index: int,
+        joined_seq: int | None = None,
+        connected: int,
+        expected: int,
         checkpoint_id: str | None = None,
     ) -> int:
         """Log a policy worker joining, stopping or lost (the coordinator does); returns its sequence number."""
         event = worker_log.worker_event(
-            kind, pid, index=index, joined_seq=joined_seq, connected=connected, expected=expected,
+            kind,
+            pid,
+            index=index,
+            joined_seq=joined_seq,
+            connected=connected,
+            expected=expected,
             checkpoint_id=checkpoint_id,
         )
         return self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens

@@ -41,9 +41,7 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 
 def script(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 def assert_one_line_error(err: str) -> None:
@@ -488,9 +486,7 @@ def test_the_installed_script_runs_a_read_command(demo: tuple[Path, dict[str, An
 @pytest.mark.parametrize("command", ["export", "keys", "lineage", "audit"])
 def test_a_closed_pipe_ends_quietly(command: str, demo: tuple[Path, dict[str, Any]]) -> None:
     args = {"lineage": ["run1-r0"]}.get(command, [])
-    proc = subprocess.Popen(
-        [str(SCRIPT), command, str(demo[0]), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    proc = subprocess.Popen([str(SCRIPT), command, str(demo[0]), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before the first line is written (`| head -0`)
     code = proc.wait(timeout=60)

@@ -47,9 +47,7 @@ def client_for(
     capture = capture or RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
     app = FastAPI()
     app.include_router(
-        control_router(
-            capture, store, TOKEN, root=root, checkpoint_open=checkpoint_open, max_body_bytes=max_body_bytes
-        )
+        control_router(capture, store, TOKEN, root=root, checkpoint_open=checkpoint_open, max_body_bytes=max_body_bytes)
     )
     return TestClient(app, raise_server_exceptions=False)
 

@@ -41,9 +41,7 @@ def _env() -> dict[str, str]:
 @contextmanager
 def _process(args: list[str], ready_prefix: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """Start a server process and yield it with its first stdout line (its address)."""
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()  # the server prints its address once it listens

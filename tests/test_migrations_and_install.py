@@ -33,8 +33,14 @@ REPO = TESTS.parent
 WORKER = TESTS / "stage_worker.py"
 REVISION_0001_TABLES = {"events", "staged_keys", "calls", "cut_receipts", "alembic_version"}
 STORE_TABLES = {
-    "events", "staged_keys", "calls", "cut_receipts", "alembic_version",
-    "store_identity", "ship_sources", "shipped_events",
+    "events",
+    "staged_keys",
+    "calls",
+    "cut_receipts",
+    "alembic_version",
+    "store_identity",
+    "ship_sources",
+    "shipped_events",
 }
 
 

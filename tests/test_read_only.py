@@ -23,9 +23,7 @@ from store.log.engine import resolve_url
 
 def folder_state(folder: Path) -> dict[str, str]:
     """Every file in ``folder`` and a hash of its bytes."""
-    return {
-        name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in sorted(os.listdir(folder))
-    }
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in sorted(os.listdir(folder))}
 
 
 def _populated(path: str) -> None:

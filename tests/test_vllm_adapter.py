@@ -171,8 +171,13 @@ def test_unreadable_responses_raise_capture_data_error(damage: Any) -> None:
 
 def test_enter_prefix_forces_capture_fields_without_changing_the_request() -> None:
     adapter = VllmAdapter()
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "stream_options": {"include_usage": True}, "top_logprobs": 5}
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "top_logprobs": 5,
+    }
     forced = adapter.enter_prefix(chat, [1, 2, 3])
     assert forced["stream"] is False and "stream_options" not in forced
     assert forced["logprobs"] is True and forced["top_logprobs"] == 0

@@ -323,8 +323,18 @@ def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, 
     None if ``new`` adds other keys than its own or withdraws any (not a plain record)."""
     body, token_ids, token_mask, log_probs = new.stored
     event_row = (
-        new.rollout_id, new.model_call_id, 1, new.kind.value, new.staging_key, pid, recorded_at,
-        body, token_ids, token_mask, log_probs, new.checksum_parts.checksum(1, pid, recorded_at),
+        new.rollout_id,
+        new.model_call_id,
+        1,
+        new.kind.value,
+        new.staging_key,
+        pid,
+        recorded_at,
+        body,
+        token_ids,
+        token_mask,
+        log_probs,
+        new.checksum_parts.checksum(1, pid, recorded_at),
     )
     event = Event(0, new.kind, new.rollout_id, new.model_call_id, 1, new.staging_key, new.body)
     added, removed = fold_keys(event)
@@ -572,8 +582,18 @@ class WriteTransaction:
         # Covers every column that says what the event is (``event_checksum``'s bytes).
         checksum = new.checksum_parts.checksum(version, pid, recorded_at)
         event_row = (
-            new.rollout_id, new.model_call_id, version, kind.value, new.staging_key, pid, recorded_at,
-            body, token_ids, token_mask, log_probs, checksum,
+            new.rollout_id,
+            new.model_call_id,
+            version,
+            kind.value,
+            new.staging_key,
+            pid,
+            recorded_at,
+            body,
+            token_ids,
+            token_mask,
+            log_probs,
+            checksum,
         )
         sql = self._sql
         if self._takes_seqs:

@@ -158,6 +158,8 @@ class LedgerRecordBody(msgspec.Struct, kw_only=True):
 
     commit: bytes
     fingerprint: str | None = None
+
+
 class WorkerBody(msgspec.Struct, kw_only=True):
     """A policy worker process joined, stopped or was lost (logged by the checkpoint coordinator).
 

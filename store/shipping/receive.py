@@ -104,9 +104,7 @@ class ShipStatements:
             engine,
         )
         self.retention = RetentionStatements(engine)
-        self.insert_shipped = Statement(
-            sa.insert(shipped).values({c: sa.bindparam(c.name) for c in shipped.c}), engine
-        )
+        self.insert_shipped = Statement(sa.insert(shipped).values({c: sa.bindparam(c.name) for c in shipped.c}), engine)
 
 
 def resume_point(tx: WriteTransaction, statements: ShipStatements, source_store_id: str) -> int | None:
@@ -222,8 +220,12 @@ def _apply(
             past_fence = body.reason == RETENTION_REASON
             tx.append(
                 NewEvent(
-                    new.kind, new.rollout_id, new.model_call_id, cleared,
-                    recorded_at=new.recorded_at, past_fence=past_fence,
+                    new.kind,
+                    new.rollout_id,
+                    new.model_call_id,
+                    cleared,
+                    recorded_at=new.recorded_at,
+                    past_fence=past_fence,
                 )
             )
     elif new.kind is EventKind.CUT_RECEIPT:

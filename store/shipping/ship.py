@@ -154,20 +154,31 @@ def _at(items: list[SourceEvent], source_seq: int) -> SourceEvent:
 def _problem(code: str, item: SourceEvent, reason: str) -> ShipProblem:
     event = item.event
     return ShipProblem(
-        code, reason, item.source_seq, item.origin.store_id, item.origin.seq,
-        event.staging_key, event.rollout_id, event.model_call_id,
+        code,
+        reason,
+        item.source_seq,
+        item.origin.store_id,
+        item.origin.seq,
+        event.staging_key,
+        event.rollout_id,
+        event.model_call_id,
     )
 
 
 def _corrupt(item: Unshippable) -> ShipProblem:
     row = item.row
     return ShipProblem(
-        "corrupt", item.reason, item.source_seq, item.origin.store_id, item.origin.seq,
-        row.get("staging_key"), row.get("rollout_id"), row.get("model_call_id"),
+        "corrupt",
+        item.reason,
+        item.source_seq,
+        item.origin.store_id,
+        item.origin.seq,
+        row.get("staging_key"),
+        row.get("rollout_id"),
+        row.get("model_call_id"),
     )
 
 
 def _report(progress: Progress | None, done: int, total: int) -> None:
     if progress is not None:
         progress(done, total)
-

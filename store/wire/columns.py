@@ -773,8 +773,14 @@ class ChecksumParts:
         if type(stream_version) is int and type(writer_pid) is int and type(recorded_at) is float:
             # The append's own types: ``_framed``'s bytes without its type tests.
             known = (
-                self.head + b"i" + stream_version.to_bytes(8, "big", signed=True) + self.middle
-                + b"i" + writer_pid.to_bytes(8, "big", signed=True) + b"f" + _pack_double(recorded_at)
+                self.head
+                + b"i"
+                + stream_version.to_bytes(8, "big", signed=True)
+                + self.middle
+                + b"i"
+                + writer_pid.to_bytes(8, "big", signed=True)
+                + b"f"
+                + _pack_double(recorded_at)
             )
         else:
             known = self.head + _framed(stream_version) + self.middle + _framed(writer_pid) + _framed(recorded_at)
