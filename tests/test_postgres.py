@@ -317,15 +317,22 @@ def _staging(target: Store, record: Any, staging_key: str | None = None) -> _Pen
     return _Pending(lambda tx: stage_event(tx, event, record.digest), True, (stream,))
 
 
-def test_a_failing_statement_whose_result_is_never_read_fails_its_own_write_alone(store_url: str) -> None:
-    """On PostgreSQL the error only surfaces at COMMIT (nothing read it before): the batch runs
-    again with each caller settled, so the caller that sent it gets it and the others commit."""
+@pytest.mark.parametrize("server_answered", [False, True], ids=["commit-first", "error-first"])
+def test_a_failing_statement_whose_result_is_never_read_fails_its_own_write_alone(
+    store_url: str, server_answered: bool
+) -> None:
+    """On PostgreSQL the error only surfaces as the batch commits (nothing read it before): the
+    batch runs again with each caller settled, so the caller that sent it gets it and the others
+    commit.  ``error-first``: the server's error has arrived before COMMIT is queued, so queuing
+    COMMIT is what raises it (an idle server answers that fast; this once failed CI)."""
     with open_store(store_url) as target:
         missing = Statement(sa.text("SELECT * FROM no_such_table WHERE x = :x"), target._engine)
 
         def bad(tx: WriteTransaction) -> int:
             seq = tx.append(failure_event("bad"))
             tx.run(missing, {"x": 1})  # its result is never read
+            if server_answered:
+                time.sleep(0.3)
             return seq
 
         with pytest.raises(StorageError, match=r"writing to the store failed.*no_such_table"):

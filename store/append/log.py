@@ -321,21 +321,7 @@ def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, 
     """The parameters of ``_stage_new_stream_sql`` for ``new`` (a record opening its stream):
     the rows ``append`` would write for it, folded the same way, the seq left to the statement.
     None if ``new`` adds other keys than its own or withdraws any (not a plain record)."""
-    body, token_ids, token_mask, log_probs = new.stored
-    event_row = (
-        new.rollout_id,
-        new.model_call_id,
-        1,
-        new.kind.value,
-        new.staging_key,
-        pid,
-        recorded_at,
-        body,
-        token_ids,
-        token_mask,
-        log_probs,
-        new.checksum_parts.checksum(1, pid, recorded_at),
-    )
+    event_row = stored_event_row(new, 1, pid, recorded_at)
     event = Event(0, new.kind, new.rollout_id, new.model_call_id, 1, new.staging_key, new.body)
     added, removed = fold_keys(event)
     if removed or new.staging_key is None or list(added) != [new.staging_key]:
@@ -346,6 +332,27 @@ def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, 
     values.update(k_staging_key=new.staging_key, k_rollout_id=key.rollout_id, k_model_call_id=key.model_call_id)
     values["k_digest"] = key.digest
     return values
+
+
+def stored_event_row(new: NewEvent, version: int, pid: int, recorded_at: float) -> tuple[Any, ...]:
+    """The events row of ``new`` at ``version``, in ``EVENT_INSERT_COLUMNS`` order; its checksum
+    covers every column that says what the event is (``event_checksum``'s bytes)."""
+    body, token_ids, token_mask, log_probs = new.stored
+    checksum = new.checksum_parts.checksum(version, pid, recorded_at)
+    return (
+        new.rollout_id,
+        new.model_call_id,
+        version,
+        new.kind.value,
+        new.staging_key,
+        pid,
+        recorded_at,
+        body,
+        token_ids,
+        token_mask,
+        log_probs,
+        checksum,
+    )
 
 
 _NEW_EVENT_PARAMS = tuple(f"e_{name}" for name in EVENT_INSERT_COLUMNS)
@@ -576,25 +583,8 @@ class WriteTransaction:
                 values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
                 last_version = self._execute(self._sql.stream_version, values).fetchone()[0] or 0
             version = last_version + 1
-        body, token_ids, token_mask, log_probs = new.stored
         recorded_at = time.time() if new.recorded_at is None else new.recorded_at
-        pid = self._pid
-        # Covers every column that says what the event is (``event_checksum``'s bytes).
-        checksum = new.checksum_parts.checksum(version, pid, recorded_at)
-        event_row = (
-            new.rollout_id,
-            new.model_call_id,
-            version,
-            kind.value,
-            new.staging_key,
-            pid,
-            recorded_at,
-            body,
-            token_ids,
-            token_mask,
-            log_probs,
-            checksum,
-        )
+        event_row = stored_event_row(new, version, self._pid, recorded_at)
         sql = self._sql
         if self._takes_seqs:
             seq = int(self._cursor.take_seq())

@@ -588,8 +588,11 @@ def _pipelined_write_transaction(dbapi_connection: Any, backend: Backend, *, dur
                 cursor.execute(inside)
             pipelined = _PipelinedCursor(cursor, pipeline, backend.next_seq_sql)
             yield pipelined
-            cursor.execute("COMMIT")
+            # Every caller's work is queued.  An earlier statement's error can surface from here
+            # on: at the COMMIT's own queuing (the server's answer already arrived) or at the
+            # closing sync; either way whose statement failed is unknown.
             commit_sent = True
+            cursor.execute("COMMIT")
         committed = True
     except dbapi_connection.Error as exc:
         # COMMIT never ran when an earlier statement failed: the transaction is still open, in error.
