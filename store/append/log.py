@@ -329,8 +329,12 @@ def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, 
     key = added[new.staging_key]
     values = dict(zip(_NEW_EVENT_PARAMS, event_row, strict=True))
     values.update(zip(_NEW_CALL_PARAMS, fold_call(None, event).row_values(), strict=True))
-    values.update(k_staging_key=new.staging_key, k_rollout_id=key.rollout_id, k_model_call_id=key.model_call_id)
-    values["k_digest"] = key.digest
+    values.update(
+        k_staging_key=new.staging_key,
+        k_rollout_id=key.rollout_id,
+        k_model_call_id=key.model_call_id,
+        k_digest=key.digest,
+    )
     return values
 
 

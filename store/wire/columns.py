@@ -578,16 +578,23 @@ def encode_mask(mask: FloatColumn) -> bytes:
     return stored
 
 
+def _run_mask_carry(data: bytes, length: int) -> int | None:
+    """The carry of a stored run-length mask of ``length`` tokens; None when its counts do not
+    fit (checked before anything is allocated: damaged counts must not ask for gigabytes)."""
+    if len(data) != 17 or int.from_bytes(data[9:17], "big") != length:
+        return None
+    carry = int.from_bytes(data[1:9], "big")
+    return carry if carry <= length else None
+
+
 def decode_mask(data: bytes, length: int) -> FloatColumn:
     """The mask column of a record of ``length`` tokens (its ids column's length)."""
     tag = data[:1]
     if tag == _MASK_RUN:
-        carry = int.from_bytes(data[1:9], "big")
-        total = int.from_bytes(data[9:17], "big")
-        # Checked before anything is allocated: damaged counts must not ask for gigabytes.
-        if len(data) != 17 or total != length or carry > total:
-            raise ValueError(f"run-length mask of {total} tokens, {carry} carry, does not fit {length} token ids")
-        f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (total - carry), dtype=">f4")
+        carry = _run_mask_carry(data, length)
+        if carry is None:
+            raise ValueError(f"run-length mask does not fit {length} token ids")
+        f32 = np.frombuffer(_ZERO_F32 * carry + _ONE_F32 * (length - carry), dtype=">f4")
         column = FloatColumn.from_f32(f32)
         column._carry = carry  # built as carry times +0.0 then +1.0: its carry is known
         return column
@@ -630,25 +637,23 @@ class ColumnBlock:
             return None
         if log_probs[:1] != _F32_RAW or len(log_probs) != 1 + 4 * count:
             return None
-        mask_tag = token_mask[:1]
-        if mask_tag == _MASK_RUN:
-            if len(token_mask) != 17:
+        carry: int | None = None  # None: a raw mask
+        if token_mask[:1] == _MASK_RUN:
+            carry = _run_mask_carry(token_mask, count)
+            if carry is None:
                 return None
-            carry = int.from_bytes(token_mask[1:9], "big")
-            if int.from_bytes(token_mask[9:17], "big") != count or carry > count:
-                return None
-        elif mask_tag != _MASK_RAW or len(token_mask) != 1 + 4 * count:
+        elif token_mask[:1] != _MASK_RAW or len(token_mask) != 1 + 4 * count:
             return None
         # The u32/u64 little-endian ids widen and swap straight into the big-endian block.
         self.ids[start:end] = np.frombuffer(token_ids, dtype=_STORED_ID_TYPES[token_ids[:1]], offset=1)
         self.log_probs[start:end] = np.frombuffer(log_probs, dtype=_F32_BE, offset=1)
-        if mask_tag == _MASK_RUN:
+        if carry is None:
+            self.mask[start:end] = np.frombuffer(token_mask, dtype=_F32_BE, offset=1)
+        else:
             self.mask[start : start + carry] = 0.0
             self.mask[start + carry : end] = 1.0
-        else:
-            self.mask[start:end] = np.frombuffer(token_mask, dtype=_F32_BE, offset=1)
         mask = FloatColumn._block_view(self.mask, start, end)
-        if mask_tag == _MASK_RUN:
+        if carry is not None:
             mask._carry = carry  # written as carry times +0.0 then +1.0, as decode_mask knows it
         return TokenIds._block_view(self.ids, start, end), mask, FloatColumn._block_view(self.log_probs, start, end)
 
