@@ -326,6 +326,23 @@ def test_audit_report_summary_names_each_problem(store: Store) -> None:
     assert "[checksum]" in report.summary() and "s1/call-1" in report.summary()
 
 
+def test_a_child_staged_before_its_parent_is_checked_after_the_pass_and_reported_once(store: Store) -> None:
+    parent = make_record(rollout_id="late", model_call_id="c0")
+    prefix = [*parent.token_ids_delta]
+    good = make_record(
+        rollout_id="late", model_call_id="c1", parent_call_id="c0", parent_chain_hash=parent.chain_hash, prefix=prefix
+    )
+    short = make_record(
+        rollout_id="late", model_call_id="c2", parent_call_id="c0", parent_chain_hash=parent.chain_hash, prefix=prefix[:-1]
+    )
+    for record in (good, short, parent):  # both children reach the log before their parent
+        assert store.stage(record).ok
+    report = store.audit()
+    assert report.counts["chains"] == 3 and not report.counts.get("unverifiable")
+    assert [(problem.code, problem.model_call_id) for problem in report.problems] == [("parent_length", "c2")]
+    assert report.problems_total == 1
+
+
 def test_replay_reports_an_undecodable_event_and_refuses_to_repair_from_it(store: Store) -> None:
     for rollout_id in ("s1", "s2"):
         assert store.stage(make_record(rollout_id=rollout_id)).ok

@@ -420,6 +420,10 @@ class _Audit:
         known, parent_chain = self._parent_chain(record, call)
         if not known:
             return False
+        self._recompute_chain(record, parent_chain, ids)
+        return True
+
+    def _recompute_chain(self, record: _Record, parent_chain: str | None, ids: Any) -> None:
         record.parent_chain, record.chain_known = parent_chain, True
         if parent_chain is not None:
             self.chained_from.add(parent_chain)
@@ -427,7 +431,6 @@ class _Audit:
         if compute_chain_hash(parent_chain, ids) != record.chain_hash:
             parent = "no parent" if parent_chain is None else f"parent chain {parent_chain[:16]}..."
             self.problem(CHAIN, f"its chain hash does not recompute from {parent} and its tokens", **_where(record))
-        return True
 
     def _parent_chain(self, record: _Record, call: _Call) -> tuple[bool, str | None]:
         if record.parent_call_id is None:
@@ -553,11 +556,12 @@ class _Audit:
         """Records whose parent was staged after them: checked now, reading their ids again."""
         for record in self.deferred:
             call = self.calls[(record.rollout_id, record.model_call_id)]
-            known, _ = self._parent_chain(record, call)
+            # One look at the parent (it reports a wrong parent length once), then the ids read again.
+            known, parent_chain = self._parent_chain(record, call)
             if not known:
                 self.counts["unverifiable"] += 1
                 continue
-            self._check_chain(record, self._token_ids(record.seq), call)
+            self._recompute_chain(record, parent_chain, self._token_ids(record.seq))
 
     def _leaves(self) -> None:
         """The cumulative hash of each leaf (a terminal record nothing chained from), over its lineage."""
