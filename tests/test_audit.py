@@ -333,7 +333,11 @@ def test_a_child_staged_before_its_parent_is_checked_after_the_pass_and_reported
         rollout_id="late", model_call_id="c1", parent_call_id="c0", parent_chain_hash=parent.chain_hash, prefix=prefix
     )
     short = make_record(
-        rollout_id="late", model_call_id="c2", parent_call_id="c0", parent_chain_hash=parent.chain_hash, prefix=prefix[:-1]
+        rollout_id="late",
+        model_call_id="c2",
+        parent_call_id="c0",
+        parent_chain_hash=parent.chain_hash,
+        prefix=prefix[:-1],
     )
     for record in (good, short, parent):  # both children reach the log before their parent
         assert store.stage(record).ok
