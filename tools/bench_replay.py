@@ -9,7 +9,11 @@ Four things run over the same freshly built store (N records of 4,096 tokens, on
   stored one and the msgpack body decoded by msgspec: the least a replay that trusts nothing
   must do, with no fold and no comparison (evidence of how far the target is reachable);
 * ``floor+live``: that floor plus a raw read of every row of the projection tables (every
-  column), which a replay must read to compare them with its fold (still no fold, no compare).
+  column), which a replay must read to compare them with its fold (still no fold, no compare);
+* ``floor+fold``: ``floor+live`` plus the fold itself, by the store's own fold functions (one
+  ``Folded.fold`` per event, its rows as tuples, one dictionary comparison per table with the
+  live rows), on rows read by raw ``sqlite3``: a replay without the store's plumbing (its
+  generators, the checks of ``verified_event`` beyond the checksum, the report).
 
 The machine is shared and noisy, so each round runs a short block of each (the order rotates
 between rounds) and a round's ratio is the ratio of its block medians; the per-round ratios
@@ -40,6 +44,9 @@ from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 
 from store import Store, open_store
 from store.log import schema
+from store.log.events import EventKind, decode_body
+from store.projections.fold import Event
+from store.queries.replay import Folded
 from store.wire.columns import event_checksum
 
 TARGET_RATIO = 2.0
@@ -93,6 +100,50 @@ def floor_live_read(path: str) -> int:
     return decoded
 
 
+_KINDS = {kind.value: kind for kind in EventKind}
+
+
+def floor_fold_read(path: str) -> int:
+    """``floor+live`` with the fold: every event folded by the store's fold functions and the
+    rebuilt projections compared with the live rows (raw reads, no store plumbing)."""
+    folded = Folded()
+    fold = folded.fold
+    connection = sqlite3.connect(path)
+    try:
+        for row in connection.execute(_SELECT):
+            values = dict(zip(EVENT_COLUMNS, row, strict=True))
+            if event_checksum(values) != values["checksum"]:
+                raise AssertionError(f"event {values['seq']} failed its checksum")
+            kind = _KINDS[values["kind"]]
+            event = Event(
+                values["seq"],
+                kind,
+                values["rollout_id"],
+                values["model_call_id"],
+                values["stream_version"],
+                values["staging_key"],
+                decode_body(kind, values["body"]),
+            )
+            fold(event)
+        differing = 0
+        for table, query in zip(schema.PROJECTION_TABLES, _LIVE_SELECTS, strict=True):
+            rebuilt = folded.row_tuples(table)
+            keys = [column.name for column in table.c].index
+            key_at = [keys(name) for name in _PRIMARY_KEY_COLUMNS[table.name]]
+            live = {tuple(row[index] for index in key_at): row for row in connection.execute(query)}
+            differing += rebuilt != live
+    finally:
+        connection.close()
+    if differing:
+        raise AssertionError(f"floor+fold: {differing} projection table(s) differ from the fold")
+    return len(folded.calls)
+
+
+_PRIMARY_KEY_COLUMNS = {
+    table.name: [column.name for column in table.primary_key.columns] for table in schema.PROJECTION_TABLES
+}
+
+
 def _timed(fn: Callable[[], Any], cpu: list[float]) -> float:
     """Wall seconds of one call; its CPU seconds (this process) are appended to ``cpu``."""
     gc.collect()
@@ -113,6 +164,7 @@ def run_rounds(path: str, rounds: int, block: int) -> tuple[dict[str, list[float
             "raw": lambda: raw_read(path),
             "floor": lambda: floor_read(path),
             "floor+live": lambda: floor_live_read(path),
+            "floor+fold": lambda: floor_fold_read(path),
         }
         for fn in things.values():  # warm the page cache and the code paths
             fn()
@@ -146,6 +198,8 @@ def _ratios(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
         "replay / floor": per_round("replay", "floor"),
         "floor+live / raw": per_round("floor+live", "raw"),
         "replay / floor+live": per_round("replay", "floor+live"),
+        "floor+fold / raw": per_round("floor+fold", "raw"),
+        "replay / floor+fold": per_round("replay", "floor+fold"),
     }
 
 
