@@ -7,6 +7,8 @@ the same values given as floats (the general path), refusals included.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from store.wire.columns import (
     encode_floats,
     encode_ids,
     encode_mask,
+    event_checksum,
 )
 from store.wire.digest import check_mask_and_carry
 
@@ -152,3 +155,76 @@ def test_stored_log_probs_and_raw_masks_decode_to_their_binary32_values() -> Non
     raw = decode_mask(encode_mask(FloatColumn.coerce([1.0, 0.0, 1.0], "mask")), 3)
     assert raw.tolist() == [1.0, 0.0, 1.0]
     assert not raw.big_endian_f32().flags.writeable
+
+
+def _load_reference() -> Any:
+    """Revision 0002's migration, whose ``layout_2`` computes the checksum apart from the store."""
+    path = Path(__file__).resolve().parents[1] / "migrations" / "versions" / "0002_event_checksum_covers_identity.py"
+    spec = importlib.util.spec_from_file_location("migration_0002_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_REFERENCE = _load_reference().layout_2
+_TEXT = st.text(max_size=40)  # surrogates included: the checksum never fails on a text the database refuses
+_INTEGER = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, 1, -1, 2**63 - 1, -(2**63)]))
+_COLUMN = st.one_of(st.none(), st.binary(max_size=40), st.binary(min_size=1000, max_size=1100))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.fixed_dictionaries(
+        {
+            "rollout_id": _TEXT,
+            "model_call_id": _TEXT,
+            "stream_version": _INTEGER,
+            "kind": _TEXT,
+            "staging_key": st.one_of(st.none(), _TEXT),
+            "writer_pid": _INTEGER,
+            "recorded_at": st.floats(allow_nan=False),
+            "body": st.one_of(st.binary(max_size=40), st.binary(min_size=1000, max_size=1100)),
+            "token_ids": _COLUMN,
+            "token_mask": _COLUMN,
+            "log_probs": _COLUMN,
+        }
+    )
+)
+def test_the_event_checksum_frames_every_shape_as_its_layout_says(values: dict[str, Any]) -> None:
+    # Stored rows take a packed fast path; any other shape the general loop: both must hash the
+    # bytes layout 2 defines, whatever the lengths (around the inline threshold too).
+    assert event_checksum(values) == _REFERENCE(values)
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "error"),
+    [
+        ("stream_version", 2**63, OverflowError),
+        ("writer_pid", True, TypeError),
+        ("recorded_at", 1, None),  # an integer where a float is stored: framed as an integer
+        ("token_ids", 3.5, None),  # framed as a float, as layout 2 frames it
+        ("token_ids", [1], TypeError),
+        ("rollout_id", 7, None),
+    ],
+)
+def test_a_value_its_column_cannot_hold_takes_the_general_path(column: str, value: Any, error: Any) -> None:
+    values: dict[str, Any] = {
+        "rollout_id": "r",
+        "model_call_id": "c",
+        "stream_version": 1,
+        "kind": "call_completed",
+        "staging_key": "r/c",
+        "writer_pid": 1,
+        "recorded_at": 0.5,
+        "body": b"body",
+        "token_ids": b"4" * 2000,
+        "token_mask": b"R" * 17,
+        "log_probs": b"F" * 2000,
+        column: value,
+    }
+    if error is None:
+        assert event_checksum(values) == _REFERENCE(values)
+    else:
+        with pytest.raises(error):
+            event_checksum(values)
