@@ -692,6 +692,34 @@ class _GuessMissed(Exception):
     exists): its transaction committed nothing, and the work runs again with lookups."""
 
 
+class _Wake:
+    """A waiting caller's wake-up: a lock held while the wake is unset.  ``set`` and ``clear`` are
+    called holding the log's lock, ``wait`` only by the caller's own thread.  A ``threading.Event``
+    does the same with a Condition, a lock per wait and Python around each step; this is two
+    lock operations a wait.  An interrupted ``wait`` leaves it unusable, as its caller leaves."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def clear(self) -> None:
+        if self._set:
+            self._set = False
+            self._lock.acquire()  # free: ``set`` released it and ``wait`` gave it back
+
+    def wait(self) -> None:
+        self._lock.acquire()  # until ``set``
+        self._lock.release()
+
+
 class _Pending(Generic[T]):
     __slots__ = ("ahead", "done", "durable", "error", "guess", "result", "wake", "work")
 
@@ -711,7 +739,7 @@ class _Pending(Generic[T]):
         # or the writer role is free and it is first in the queue.  Each waiting caller has its
         # own, so a commit wakes exactly its callers, none of them contending for the log's lock.
         # Made only when the caller first has to wait: a caller that leads at once never needs one.
-        self.wake: threading.Event | None = None
+        self.wake: _Wake | None = None
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -838,7 +866,7 @@ class EventLog:
         if self._leader is not None:
             # Every set happens under the lock: none is lost before the wait.
             if pending.wake is None:
-                pending.wake = threading.Event()
+                pending.wake = _Wake()
             else:
                 pending.wake.clear()
             return False
