@@ -174,7 +174,7 @@ class Store:
         ``kind`` and ``spans`` let the capture mark cut prefixes and chunks; the default
         is a call's terminal record, its generated tokens produced by its weight version.
         """
-        event = self._record_event(StageEntry(record, staging_key, kind, spans, completion))
+        event = self._new_record_event(record, staging_key, kind, spans, completion)
         stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
         return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
 
@@ -214,19 +214,29 @@ class Store:
 
     def _record_event(self, entry: StageEntry) -> NewEvent:
         """The event of one record to stage; every argument is checked here, before any write."""
-        record = entry.record
+        return self._new_record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
+
+    def _new_record_event(
+        self,
+        record: StagedCallRecord,
+        staging_key: str | None,
+        kind: EventKind,
+        spans: Sequence[Span] | None,
+        completion: Completion | None,
+    ) -> NewEvent:
+        """``_record_event`` of a ``StageEntry``'s fields (``stage`` makes no entry)."""
         if not isinstance(record, StagedCallRecord):
             raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
-        kind = arguments.record_kind(entry.kind)
-        key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, entry.staging_key, kind)
+        kind = arguments.record_kind(kind)
+        key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, staging_key, kind)
         arguments.extras(record.extras, record.extras_digest)
         columns = record.columns
-        if entry.spans is None:  # a terminal record: its generated tokens, at its version
-            spans = generated_spans(columns.token_mask, record.weight_version)
+        if spans is None:  # a terminal record: its generated tokens, at its version
+            checked = generated_spans(columns.token_mask, record.weight_version)
         else:
-            spans = arguments.spans(entry.spans, columns.token_mask, kind)
-        body = record_body(record, spans, arguments.completion(entry.completion))
+            checked = arguments.spans(spans, columns.token_mask, kind)
+        body = record_body(record, checked, arguments.completion(completion))
         return NewEvent(kind, rollout_id, model_call_id, body, key, columns)
 
     @operation

@@ -62,7 +62,7 @@ from store.wire.digest import PackedColumns
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class NewEvent:
     """An event to append; ``columns`` are stored packed beside the body."""
 
@@ -82,20 +82,51 @@ class NewEvent:
     # Its checksum's framing, also made here: the append only frames version, pid and time.
     checksum_parts: ChecksumParts = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        columns = self.columns
+    def __init__(
+        self,
+        kind: EventKind,
+        rollout_id: str,
+        model_call_id: str,
+        body: msgspec.Struct,
+        staging_key: str | None = None,
+        columns: PackedColumns | None = None,
+        past_fence: bool = False,
+        recorded_at: float | None = None,
+    ) -> None:
+        # The fields are set as one ``__dict__`` (a frozen dataclass's own ``__init__`` sets
+        # each through ``object.__setattr__``; one event is built per staged record).
         stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
-        body = encode_body(self.body)
+        encoded = encode_body(body)
         if columns is None:
-            stored, size = (body, None, None, None), len(body)
+            stored, size = (encoded, None, None, None), len(encoded)
         else:
             ids, mask = encode_ids(columns.token_ids), encode_mask(columns.token_mask)
             log_probs = encode_floats(columns.log_probs)
-            stored, size = (body, ids, mask, log_probs), len(body) + len(ids) + len(mask) + len(log_probs)
-        object.__setattr__(self, "stored", stored)
-        object.__setattr__(self, "size", size)
-        parts = ChecksumParts(self.rollout_id, self.model_call_id, self.kind.value, self.staging_key, stored)
-        object.__setattr__(self, "checksum_parts", parts)
+            stored, size = (encoded, ids, mask, log_probs), len(encoded) + len(ids) + len(mask) + len(log_probs)
+        parts = ChecksumParts(rollout_id, model_call_id, _KIND_VALUES[kind], staging_key, stored)
+        _set_attribute(
+            self,
+            "__dict__",
+            {
+                "kind": kind,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "body": body,
+                "staging_key": staging_key,
+                "columns": columns,
+                "past_fence": past_fence,
+                "recorded_at": recorded_at,
+                "stored": stored,
+                "size": size,
+                "checksum_parts": parts,
+            },
+        )
+
+
+_set_attribute = object.__setattr__
+_new_object = object.__new__
+# Each kind's plain string (``EventKind.value`` is an Enum property: several times a dict lookup).
+_KIND_VALUES: dict[EventKind, str] = {kind: kind._value_ for kind in EventKind}
 
 
 class _Statements:
@@ -347,7 +378,7 @@ def stored_event_row(new: NewEvent, version: int, pid: int, recorded_at: float) 
         new.rollout_id,
         new.model_call_id,
         version,
-        new.kind.value,
+        _KIND_VALUES[new.kind],
         new.staging_key,
         pid,
         recorded_at,
@@ -601,7 +632,21 @@ class WriteTransaction:
         self.appended_bytes += new.size
         self.last_seq = seq
         self.streams.append((new.rollout_id, new.model_call_id))
-        event = Event(seq, kind, new.rollout_id, new.model_call_id, version, new.staging_key, new.body)
+        # An ``Event`` made as ``fold.CallState``s are (``_made``): its fields as one ``__dict__``.
+        event = _new_object(Event)
+        _set_attribute(
+            event,
+            "__dict__",
+            {
+                "seq": seq,
+                "kind": kind,
+                "rollout_id": new.rollout_id,
+                "model_call_id": new.model_call_id,
+                "stream_version": version,
+                "staging_key": new.staging_key,
+                "body": new.body,
+            },
+        )
         self._project(event, call)
         return seq
 

@@ -13,7 +13,7 @@ import sqlite3
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -520,10 +520,9 @@ def _run_alembic(connection: sa.Connection) -> None:
         ) from exc
 
 
-@contextmanager
 def raw_write_transaction(
     dbapi_connection: Any, backend: Backend, *, durable: bool = True, mode_set: bool = False
-) -> Iterator[Any]:
+) -> AbstractContextManager[Any]:
     """One write transaction on a raw DBAPI connection: the single begin path for writes.
 
     ``durable=False`` commits without waiting for the disk (WAL ``synchronous=NORMAL``);
@@ -531,26 +530,55 @@ def raw_write_transaction(
     already in the wanted commit mode.
     """
     if backend.pipelined:
-        with _pipelined_write_transaction(dbapi_connection, backend, durable=durable) as cursor:
-            yield cursor
-        return
-    before, inside = backend.commit_mode_sql(durable)
-    cursor = dbapi_connection.cursor()
-    try:
-        if before is not None and not mode_set:
-            cursor.execute(before)
-        cursor.execute(backend.begin_write_sql)
-        if inside is not None:
-            cursor.execute(inside)
-        yield cursor
-        dbapi_connection.commit()
-    except BaseException:
+        return _pipelined_write_transaction(dbapi_connection, backend, durable=durable)
+    return _WriteTransaction(dbapi_connection, backend, durable, mode_set)
+
+
+class _WriteTransaction:
+    """``raw_write_transaction`` on SQLite: the commit mode, BEGIN, the work, then COMMIT, or a
+    rollback if anything raised (BEGIN or COMMIT included); the cursor is closed either way.
+    A class, not a generator: one transaction per batch, a generator's frame per batch costs more."""
+
+    __slots__ = ("_backend", "_connection", "_cursor", "_durable", "_mode_set")
+
+    def __init__(self, dbapi_connection: Any, backend: Backend, durable: bool, mode_set: bool) -> None:
+        self._connection = dbapi_connection
+        self._backend = backend
+        self._durable = durable
+        self._mode_set = mode_set
+        self._cursor: Any = None
+
+    def __enter__(self) -> Any:
+        backend = self._backend
+        before, inside = backend.commit_mode_sql(self._durable)
+        cursor = self._cursor = self._connection.cursor()
         try:
-            dbapi_connection.rollback()
+            if before is not None and not self._mode_set:
+                cursor.execute(before)
+            cursor.execute(backend.begin_write_sql)
+            if inside is not None:
+                cursor.execute(inside)
+        except BaseException:
+            self._abandon()
+            raise
+        return cursor
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is not None:
+            self._abandon()
+            return
+        try:
+            self._connection.commit()
+        except BaseException:
+            self._abandon()
+            raise
+        self._cursor.close()
+
+    def _abandon(self) -> None:
+        try:
+            self._connection.rollback()
         finally:
-            cursor.close()
-        raise
-    cursor.close()
+            self._cursor.close()
 
 
 class DeferredStatementError(Exception):

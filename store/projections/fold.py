@@ -402,7 +402,14 @@ def fold_keys(event: Event) -> tuple[dict[str, KeyState], list[str]]:
     """Keys the event adds, and keys it withdraws."""
     if event.kind in RECORD_KINDS:
         key, seq, rollout_id, model_call_id, digest = staged_key_row(event)
-        return {key: KeyState(seq, rollout_id, model_call_id, digest)}, []
+        # A KeyState made as ``_made`` makes a CallState: its fields as one ``__dict__``.
+        state = _new_object(KeyState)
+        _set_fields(
+            state,
+            "__dict__",
+            {"event_seq": seq, "rollout_id": rollout_id, "model_call_id": model_call_id, "digest": digest},
+        )
+        return {key: state}, []
     if event.kind is EventKind.KEYS_CLEARED:
         assert isinstance(event.body, KeysClearedBody)
         return {}, list(event.body.staging_keys)
