@@ -806,6 +806,35 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
         assert event.checksum_parts.checksum(version, pid, recorded_at) == event_checksum(row)
 
 
+def test_checksum_parts_frame_what_event_checksum_frames() -> None:
+    """``ChecksumParts`` frames texts, kinds and columns on its own fast paths: over texts that
+    are empty, not ASCII or lone surrogates, columns either side of the inline size or absent,
+    and versions and pids at the 64-bit limits, it hashes exactly ``event_checksum``'s bytes."""
+    import random
+
+    from store.wire.columns import ChecksumParts, event_checksum
+
+    rng = random.Random(11)
+    texts = ["", "a", "rollout-000001", "\u00e9\u2603" * 40, "\ud800 lone", "x" * 2000]
+    columns = [None, b"", b"x" * 1023, b"y" * 1024, b"z" * 3000]
+    for _ in range(2000):
+        rollout_id, model_call_id, staging_key = rng.choice(texts), rng.choice(texts), rng.choice([None, *texts])
+        kind = rng.choice(["call_completed", "keys_cleared", *texts])
+        stored = (bytes(rng.randint(0, 1100)), rng.choice(columns), rng.choice(columns), rng.choice(columns))
+        version, pid = rng.choice([0, 1, 2**63 - 1, -(2**63)]), rng.choice([1, 2**31, 2**63 - 1])
+        recorded_at = rng.choice([0.0, -0.0, 1.5e9, float("inf"), 7])
+        row = dict(zip(("body", "token_ids", "token_mask", "log_probs"), stored, strict=True))
+        row.update(rollout_id=rollout_id, model_call_id=model_call_id, stream_version=version, kind=kind)
+        row.update(staging_key=staging_key, writer_pid=pid, recorded_at=recorded_at)
+        parts = ChecksumParts(rollout_id, model_call_id, kind, staging_key, stored)
+        assert parts.checksum(version, pid, recorded_at) == event_checksum(row)
+    for version in (2**63, -(2**63) - 1):  # beyond a stored integer: refused as event_checksum refuses it
+        with pytest.raises(OverflowError):
+            ChecksumParts("r", "c", "call_failed", None, (b"", None, None, None)).checksum(version, 1, 0.0)
+    with pytest.raises(TypeError):
+        ChecksumParts("r", "c", "call_failed", None, ("not bytes", None, None, None))  # type: ignore[arg-type]
+
+
 # --- PostgreSQL: a lone stage guesses a new stream (one round trip) -----------------------------
 
 

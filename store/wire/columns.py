@@ -841,39 +841,63 @@ class ChecksumParts:
         staging_key: str | None,
         stored: tuple[bytes, bytes | None, bytes | None, bytes | None],
     ) -> None:
-        self.head = _CHECKSUM_LAYOUT + _framed_text(rollout_id) + _framed_text(model_call_id)
-        self.middle = _framed_text(kind) + (_NULL if staging_key is None else _framed_text(staging_key))
+        # Built once per event on the write path: texts framed inline, the kind's framing kept.
+        if type(rollout_id) is str and type(model_call_id) is str:
+            rollout = rollout_id.encode("utf-8", "surrogatepass")
+            call = model_call_id.encode("utf-8", "surrogatepass")
+            self.head = b"".join(
+                (_LAYOUT_TEXT, _pack_length(len(rollout)), rollout, b"s", _pack_length(len(call)), call)
+            )
+        else:
+            self.head = _CHECKSUM_LAYOUT + _framed_text(rollout_id) + _framed_text(model_call_id)
+        framed_kind = _FRAMED_KINDS.get(kind) if type(kind) is str else None
+        if framed_kind is None:
+            framed_kind = _framed_text(kind)
+            if type(kind) is str and len(_FRAMED_KINDS) < _FRAMED_KINDS_KEPT:
+                _FRAMED_KINDS[kind] = framed_kind
+        if staging_key is None:
+            self.middle = framed_kind + _NULL
+        elif type(staging_key) is str:
+            key = staging_key.encode("utf-8", "surrogatepass")
+            self.middle = b"".join((framed_kind, b"s", _pack_length(len(key)), key))
+        else:
+            self.middle = framed_kind + _framed_text(staging_key)
         tail: list[bytes] = []
-        pending = b""
+        pending: list[bytes] = []
         for value in stored:  # body, token_ids, token_mask, log_probs
             if value is None:
-                pending += _NULL
+                pending.append(_NULL)
                 continue
-            if not isinstance(value, bytes):
+            if type(value) is not bytes and not isinstance(value, bytes):
                 raise TypeError(f"a stored event column cannot hold a {type(value).__name__}")
-            header = b"b" + len(value).to_bytes(8, "big")
-            if len(value) < _INLINE_BYTES:
-                pending += header + value
+            size = len(value)
+            pending.append(b"b" + _pack_length(size))
+            if size < _INLINE_BYTES:
+                pending.append(value)
             else:  # hashed in place, not copied
-                tail += (pending + header, value)
-                pending = b""
-        tail.append(pending)
+                tail.append(b"".join(pending))
+                tail.append(value)
+                pending = []
+        if pending:
+            tail.append(b"".join(pending))
         self.tail = tuple(tail)
 
     def checksum(self, stream_version: int, writer_pid: int, recorded_at: float) -> bytes:
+        known = None
         if type(stream_version) is int and type(writer_pid) is int and type(recorded_at) is float:
             # The append's own types: ``_framed``'s bytes without its type tests.
-            known = (
-                self.head
-                + b"i"
-                + stream_version.to_bytes(8, "big", signed=True)
-                + self.middle
-                + b"i"
-                + writer_pid.to_bytes(8, "big", signed=True)
-                + b"f"
-                + _pack_double(recorded_at)
-            )
-        else:
+            try:
+                known = b"".join(
+                    (
+                        self.head,
+                        _pack_version(b"i", stream_version),
+                        self.middle,
+                        _pack_pid_time(b"i", writer_pid, b"f", recorded_at),
+                    )
+                )
+            except struct.error:  # beyond 64 bits: ``_framed`` raises what it raises
+                known = None
+        if known is None:
             known = self.head + _framed(stream_version) + self.middle + _framed(writer_pid) + _framed(recorded_at)
         hasher = xxhash.xxh3_128(known)
         for piece in self.tail:
@@ -881,6 +905,12 @@ class ChecksumParts:
         return hasher.digest()
 
 
+_pack_length = struct.Struct(">Q").pack
+_pack_version = struct.Struct(">cq").pack
+_pack_pid_time = struct.Struct(">cqcd").pack
+_LAYOUT_TEXT = _CHECKSUM_LAYOUT + b"s"
+_FRAMED_KINDS: dict[str, bytes] = {}  # an event kind's framing (a few kinds, each framed once)
+_FRAMED_KINDS_KEPT = 64
 _pack_double = struct.Struct(">d").pack
 
 
