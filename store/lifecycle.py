@@ -20,6 +20,7 @@ from store.errors import StoreClosedError
 
 P = ParamSpec("P")
 R = TypeVar("R")
+A = TypeVar("A")
 
 
 class CallGate:
@@ -35,6 +36,7 @@ class CallGate:
         self._lock = threading.RLock()
         self._condition = threading.Condition(self._lock)
         self._active = 0  # public calls in flight
+        self._draining = 0  # threads waiting for the calls in flight to end (a fork, close())
         self._forking = False  # a fork waits for the calls in flight; new ones wait for it
         self._closed = closed  # no new call starts
         self._shut = closed  # close() finished: nothing commits any more, no connection is open
@@ -57,7 +59,7 @@ class CallGate:
     def leave(self, entered: list[bool]) -> None:
         with self._lock:
             if entered[0]:
-                if self._active == 1:
+                if self._active == 1 and self._draining:
                     self._condition.notify_all()  # first: a repeat after an interrupt notifies again
                 self._active -= 1
                 entered[0] = False
@@ -67,9 +69,18 @@ class CallGate:
         ``release_after_fork``); returns whether the store is still open."""
         self._lock.acquire()
         self._forking = True
-        while self._active:
-            self._condition.wait()
+        self._wait_for_calls()
         return not self._closed
+
+    def _wait_for_calls(self) -> None:
+        """(Holding the lock.)  Wait until no call is in flight; ``leave`` notifies only while
+        someone waits here."""
+        self._draining += 1
+        try:
+            while self._active:
+                self._condition.wait()
+        finally:
+            self._draining -= 1
 
     def release_after_fork(self) -> None:
         self._forking = False
@@ -93,8 +104,7 @@ class CallGate:
             self._closed = True
             try:
                 stop_writes()
-                while self._active:
-                    self._condition.wait()
+                self._wait_for_calls()
                 release()
             finally:
                 self._shut = True
@@ -118,18 +128,20 @@ def operation(method: Callable[Concatenate[G, P], R]) -> Callable[Concatenate[G,
     @functools.wraps(method)
     def run(self: G, /, *args: P.args, **kwargs: P.kwargs) -> R:
         entered = [False]  # set with the count of calls in flight, so an interrupt leaves both agreeing
+        gate = self._calls
         try:
-            self._calls.enter(entered, self._check_process)
+            gate.enter(entered, self._check_process)
             return method(self, *args, **kwargs)
         finally:
-            repeat_through_interrupts(lambda: self._calls.leave(entered))  # leave is idempotent
+            repeat_through_interrupts(gate.leave, entered)  # leave is idempotent
 
     return run
 
 
-def repeat_through_interrupts(step: Callable[[], None]) -> None:
-    """Run ``step`` until it completes, even if interrupts (``KeyboardInterrupt``, ``SystemExit``)
-    land in it, even on entry; then raise the first interrupt.  ``step`` must be safe to repeat.
+def repeat_through_interrupts(step: Callable[[A], None], argument: A) -> None:
+    """Run ``step(argument)`` until it completes, even if interrupts (``KeyboardInterrupt``,
+    ``SystemExit``) land in it, even on entry; then raise the first interrupt.  ``step`` must be
+    safe to repeat.
 
     For the steps that give back what a call holds: one left undone would keep ``close()``,
     a fork or the writer role waiting for good.  An ordinary exception is raised at once.
@@ -137,7 +149,7 @@ def repeat_through_interrupts(step: Callable[[], None]) -> None:
     interrupt: BaseException | None = None
     while True:
         try:
-            step()
+            step(argument)
             break
         except Exception:
             raise

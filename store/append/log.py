@@ -881,7 +881,7 @@ class EventLog:
             if self._leader is pending:
                 self._write_batch(self._batch)
         finally:
-            repeat_through_interrupts(lambda: self._leave(pending))  # else the writer role stays taken
+            repeat_through_interrupts(self._leave, pending)  # else the writer role stays taken
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]
