@@ -403,6 +403,12 @@ class StageLookup(NamedTuple):
     last_version: int  # the stream's highest stream_version, 0 for a new stream
 
 
+# A transaction's read-ahead lookups before any: shared, never written (``WriteTransaction``).
+_NOTHING_AHEAD: dict[tuple[str, str, str], Any] = {}
+_NOTHING_AHEAD_BY_ROLLOUT: dict[str, list[tuple[str, str, str]]] = {}
+_NOTHING_AHEAD_BY_KEY: dict[str, tuple[str, str, str]] = {}
+
+
 class WriteTransaction:
     """What a write function may do inside the shared transaction."""
 
@@ -432,9 +438,10 @@ class WriteTransaction:
         self.last_seq: int | None = None  # the sequence number of the last event appended
         self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
         # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
-        self._ahead: dict[tuple[str, str, str], Any] = {}
-        self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = {}
-        self._ahead_by_key: dict[str, tuple[str, str, str]] = {}
+        # Empty and shared until a read ahead makes the transaction its own (most never do).
+        self._ahead: dict[tuple[str, str, str], Any] = _NOTHING_AHEAD
+        self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_ROLLOUT
+        self._ahead_by_key: dict[str, tuple[str, str, str]] = _NOTHING_AHEAD_BY_KEY
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
@@ -469,6 +476,8 @@ class WriteTransaction:
             rows = cursor.execute(statement.sql, statement.params(values)).fetchall()
         finally:
             cursor.close()
+        if self._ahead is _NOTHING_AHEAD:
+            self._ahead, self._ahead_by_rollout, self._ahead_by_key = {}, {}, {}
         for stream, row in zip(wanted, rows, strict=True):
             self._ahead[stream] = row
             self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
@@ -486,6 +495,8 @@ class WriteTransaction:
                 self._ahead.pop(named, None)
 
     def _forget_all_ahead(self) -> None:
+        if self._ahead is _NOTHING_AHEAD:
+            return  # the shared empty dicts are never changed
         self._ahead.clear()
         self._ahead_by_rollout.clear()
         self._ahead_by_key.clear()
@@ -1020,7 +1031,12 @@ class EventLog:
         rolled back and run again with each caller isolated (its work only reads and writes
         the transaction, so running it again is safe)."""
         self._batch_started = True
-        durable = self._durable and any(pending.durable for pending in batch)
+        durable = False
+        if self._durable:
+            for pending in batch:
+                if pending.durable:
+                    durable = True
+                    break
         isolate = False
         # A lone stage while stages come one at a time (a batch of several reads ahead instead).
         self._guessing = len(batch) == 1 and batch[0].guess and self._expected <= 1 and self._backend.pipelined

@@ -68,8 +68,14 @@ class Backend:
     def commit_mode_sql(self, durable: bool) -> tuple[str | None, str | None]:
         """SQL to run before BEGIN and inside the transaction so its commit waits for the disk or not."""
         if self.name == "sqlite":
-            return f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}", None
-        return None, (None if durable else "SET LOCAL synchronous_commit = off")
+            return _SQLITE_DURABLE if durable else _SQLITE_NOT_DURABLE
+        return _POSTGRES_DURABLE if durable else _POSTGRES_NOT_DURABLE
+
+
+_SQLITE_DURABLE: tuple[str | None, str | None] = ("PRAGMA synchronous = FULL", None)
+_SQLITE_NOT_DURABLE: tuple[str | None, str | None] = ("PRAGMA synchronous = NORMAL", None)
+_POSTGRES_DURABLE: tuple[str | None, str | None] = (None, None)
+_POSTGRES_NOT_DURABLE: tuple[str | None, str | None] = (None, "SET LOCAL synchronous_commit = off")
 
 
 SQLITE = Backend(
