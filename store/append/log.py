@@ -910,6 +910,8 @@ class EventLog:
         while True:
             assert pending.wake is not None  # made by _settled_or_leading before it said wait
             pending.wake.wait()
+            if pending.done:  # written (set before its wake, never undone): no need for the lock
+                return
             with self._lock:
                 if self._settled_or_leading(pending):
                     return
