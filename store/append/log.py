@@ -581,7 +581,9 @@ class WriteTransaction:
     def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
         """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
         returns the staging key's row, the calls row and the stream's last version."""
-        row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
+        row = None
+        if self._ahead:
+            row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
         if row is None:
             # PostgreSQL: the event's seq comes with this read (one statement fewer).
             take_seq = self._takes_seqs and self._sql.stage_lookup_seq is not None and self._cursor.needs_seq()
@@ -600,10 +602,9 @@ class WriteTransaction:
                 raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
             self._unfenced.add(rollout_id)
         key = None if row[2] is None else KeyState(int(row[2]), row[3], row[4], row[5])
-        call_row = row[7:]
         call = None
-        if call_row[0] is not None:
-            call = CallState.from_row(dict(zip(self._sql.call_columns, call_row, strict=True)))
+        if row[7] is not None:
+            call = CallState.from_row(dict(zip(self._sql.call_columns, row[7:], strict=True)))
         return StageLookup(key, call, int(row[6] or 0))
 
     def append(self, new: NewEvent, lookup: StageLookup | None = None) -> int:
@@ -694,7 +695,8 @@ class WriteTransaction:
 
     def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
-        self._forget_ahead(event.rollout_id, (*added, *removed))
+        if self._ahead:
+            self._forget_ahead(event.rollout_id, (*added, *removed))
         for key in removed:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():

@@ -518,6 +518,13 @@ class StageResult(_Wire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "StageResult"
+        key, version = self.staging_key, self.schema_version
+        if self.ok is True and self.error is None and type(key) is str and key and type(version) is int:
+            # Every successful stage returns one: the checks below, for this shape, in one place.
+            if version not in _digest.SUPPORTED_SCHEMA_VERSIONS:
+                _schema(name, version)
+            _encodable(name, "staging_key", key)
+            return
         _schema(name, self.schema_version)
         if type(self.ok) is not bool:
             raise _fail(name, f"ok must be a bool, got {self.ok!r}")
