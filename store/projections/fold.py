@@ -491,7 +491,8 @@ def generated_spans(mask: FloatColumn, version: int, offset: int = 0) -> list[Sp
     """One span per contiguous run of generated (mask 1.0) positions."""
     carry = carry_count(mask)
     if carry is not None:
-        return [(offset + carry, offset + len(mask), version)] if carry < len(mask) else []
+        length = len(mask)
+        return [(offset + carry, offset + length, version)] if carry < length else []
     generated = np.concatenate(([False], mask.zero_one_flags()[1], [False]))
     edges = np.flatnonzero(generated[1:] != generated[:-1])
     return [(offset + int(a), offset + int(b), version) for a, b in zip(edges[::2], edges[1::2], strict=True)]
