@@ -140,6 +140,12 @@ class _Statements:
         # Where the driver binds by position in these orders (SQLite), the append passes its
         # values as a tuple: no dict per row to be picked apart again.
         self.event_tuple = _binds_in_order(insert_event.returning(events.c.seq), engine, EVENT_INSERT_COLUMNS)
+        # SQLite: seq is the table's rowid, so the driver's ``lastrowid`` is the new event's seq:
+        # the insert without RETURNING is one step (none more to read the row back, no release
+        # of the GIL for it).
+        self.event_by_rowid = engine.dialect.name == "sqlite"
+        self.insert_event_plain = Statement(insert_event, engine)
+        self.event_plain_tuple = _binds_in_order(insert_event, engine, EVENT_INSERT_COLUMNS)
         # PostgreSQL: the seq was taken ahead (``take_seq``), so nothing is read back.
         self.insert_event_at = Statement(sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c}), engine)
         self.stream_version = Statement(
@@ -638,6 +644,9 @@ class WriteTransaction:
             stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
             stored["seq"] = seq
             self._execute(sql.insert_event_at, stored)  # not waited for (pipeline)
+        elif sql.event_by_rowid:
+            inserted = self._insert(sql.insert_event_plain, sql.event_plain_tuple, EVENT_INSERT_COLUMNS, event_row)
+            seq = int(inserted.lastrowid)
         else:
             seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).fetchone()[0])
         self.appended += 1
