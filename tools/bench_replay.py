@@ -45,7 +45,7 @@ from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 from store import Store, open_store
 from store.log import schema
 from store.log.events import EventKind, decode_body
-from store.projections.fold import Event
+from store.projections.fold import Event, filled
 from store.queries.replay import Folded
 from store.wire.columns import event_checksum
 
@@ -106,11 +106,10 @@ _KINDS = {kind.value: kind for kind in EventKind}
 def floor_fold_read(path: str) -> int:
     """``floor+live`` with the fold: every event folded by the store's fold functions and the
     rebuilt projections compared with the live rows (raw reads, no store plumbing).  Made as
-    lean as the store's own pass: the cyclic collector paused, each ``Event`` filled through
-    its ``__dict__`` (no frozen-dataclass ``__init__``)."""
+    lean as the store's own pass: the cyclic collector paused, each ``Event`` made by ``filled``
+    (no frozen-dataclass ``__init__``)."""
     folded = Folded()
     fold = folded.fold
-    new_event = object.__new__
     connection = sqlite3.connect(path)
     enabled = gc.isenabled()
     gc.disable()
@@ -120,15 +119,17 @@ def floor_fold_read(path: str) -> int:
             if event_checksum(values) != values["checksum"]:
                 raise AssertionError(f"event {values['seq']} failed its checksum")
             kind = _KINDS[values["kind"]]
-            event = new_event(Event)
-            event.__dict__.update(
-                seq=values["seq"],
-                kind=kind,
-                rollout_id=values["rollout_id"],
-                model_call_id=values["model_call_id"],
-                stream_version=values["stream_version"],
-                staging_key=values["staging_key"],
-                body=decode_body(kind, values["body"]),
+            event = filled(
+                Event,
+                {
+                    "seq": values["seq"],
+                    "kind": kind,
+                    "rollout_id": values["rollout_id"],
+                    "model_call_id": values["model_call_id"],
+                    "stream_version": values["stream_version"],
+                    "staging_key": values["staging_key"],
+                    "body": decode_body(kind, values["body"]),
+                },
             )
             fold(event)
         differing = 0

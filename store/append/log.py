@@ -49,6 +49,7 @@ from store.projections.fold import (
     WorkerState,
     affects_call,
     fenced_kind,
+    filled,
     fold_call,
     fold_keys,
     fold_receipt,
@@ -124,7 +125,6 @@ class NewEvent:
 
 
 _set_attribute = object.__setattr__
-_new_object = object.__new__
 # Each kind's plain string (``EventKind.value`` is an Enum property: several times a dict lookup).
 _KIND_VALUES: dict[EventKind, str] = {kind: kind._value_ for kind in EventKind}
 
@@ -135,17 +135,13 @@ class _Statements:
     def __init__(self, engine: Engine) -> None:
         events, keys, calls, receipts = schema.events, schema.staged_keys, schema.calls, schema.cut_receipts
         event_columns = [c for c in events.c if c.name != "seq"]
+        # SQLite: seq is the table's rowid, so the driver's ``lastrowid`` is the new event's seq
+        # (no RETURNING: one step, none more to read the row back).
         insert_event = sa.insert(events).values({c: sa.bindparam(c.name) for c in event_columns})
-        self.insert_event = Statement(insert_event.returning(events.c.seq), engine)
+        self.insert_event = Statement(insert_event, engine)
         # Where the driver binds by position in these orders (SQLite), the append passes its
         # values as a tuple: no dict per row to be picked apart again.
-        self.event_tuple = _binds_in_order(insert_event.returning(events.c.seq), engine, EVENT_INSERT_COLUMNS)
-        # SQLite: seq is the table's rowid, so the driver's ``lastrowid`` is the new event's seq:
-        # the insert without RETURNING is one step (none more to read the row back, no release
-        # of the GIL for it).
-        self.event_by_rowid = engine.dialect.name == "sqlite"
-        self.insert_event_plain = Statement(insert_event, engine)
-        self.event_plain_tuple = _binds_in_order(insert_event, engine, EVENT_INSERT_COLUMNS)
+        self.event_tuple = _binds_in_order(insert_event, engine, EVENT_INSERT_COLUMNS)
         # PostgreSQL: the seq was taken ahead (``take_seq``), so nothing is read back.
         self.insert_event_at = Statement(sa.insert(events).values({c: sa.bindparam(c.name) for c in events.c}), engine)
         self.stream_version = Statement(
@@ -644,20 +640,14 @@ class WriteTransaction:
             stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
             stored["seq"] = seq
             self._execute(sql.insert_event_at, stored)  # not waited for (pipeline)
-        elif sql.event_by_rowid:
-            inserted = self._insert(sql.insert_event_plain, sql.event_plain_tuple, EVENT_INSERT_COLUMNS, event_row)
-            seq = int(inserted.lastrowid)
-        else:
-            seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).fetchone()[0])
+        else:  # SQLite (PostgreSQL's pipelined cursor always takes seqs ahead)
+            seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).lastrowid)
         self.appended += 1
         self.appended_bytes += new.size
         self.last_seq = seq
         self.streams.append((new.rollout_id, new.model_call_id))
-        # An ``Event`` made as ``fold.CallState``s are (``_made``): its fields as one ``__dict__``.
-        event = _new_object(Event)
-        _set_attribute(
-            event,
-            "__dict__",
+        event = filled(
+            Event,
             {
                 "seq": seq,
                 "kind": kind,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -31,6 +31,7 @@ from store.log.events import (
 from store.log.schema import version_key
 from store.wire.columns import FloatColumn, carry_count
 
+D = TypeVar("D")
 _SPANS_ENCODER = msgspec.msgpack.Encoder()
 _SPANS_DECODER = msgspec.msgpack.Decoder(list[tuple[int, int, int]])
 
@@ -265,15 +266,17 @@ def _moved_rollout(base: RolloutState, **changes: Any) -> RolloutState:
     return RolloutState(**{**base.__dict__, **changes})
 
 
-def _made(fields: dict[str, Any]) -> CallState:
-    """A ``CallState`` whose ``__dict__`` is ``fields`` (every field, in any order).
+def filled(cls: type[D], fields: dict[str, Any]) -> D:
+    """An instance of the frozen dataclass ``cls`` whose ``__dict__`` is ``fields`` (every
+    field, in any order).
 
-    The folds run once per event on the write path and on every pass over the log.  A frozen
-    dataclass's ``__init__`` sets each of its sixteen fields through ``object.__setattr__``,
-    which was most of a fold; the instance takes the dictionary built for it instead
-    (CallState has no ``__post_init__`` and no slots, so the result is the same object).
+    The folds run once per event on the write path and on every pass over the log, and the
+    append and every read build an ``Event`` per event.  A frozen dataclass's ``__init__``
+    sets each field through ``object.__setattr__``, which was most of a fold; the instance
+    takes the dictionary built for it instead.  Only for classes with no ``__post_init__``
+    and no slots (``CallState``, ``KeyState``, ``Event``): the result is the same object.
     """
-    made = _new_object(CallState)
+    made = _new_object(cls)
     _set_fields(made, "__dict__", fields)
     return made
 
@@ -303,19 +306,21 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
     if kind is _ADMITTED and base["state"] in TERMINAL_STATES:
         # The capture refuses to admit a finished call again; an admission that reached the
         # log anyway (a racing worker) must not hide the call's staged terminal record.
-        return _made(
+        return filled(
+            CallState,
             {
                 **base,
                 "rollout_id": rollout_id,
                 "model_call_id": model_call_id,
                 "stream_version": version,
                 "last_seq": seq,
-            }
+            },
         )
     if kind is _ADMITTED:
         assert isinstance(body, AdmissionBody)
         continuation = body.continues
-        return _made(
+        return filled(
+            CallState,
             {
                 **base,
                 "rollout_id": rollout_id,
@@ -332,12 +337,13 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
                 "cum_len": body.prev_len + body.restored_delta_len if continuation else None,
                 "spans": merge_spans(body.restored_spans),
                 "generated_tokens": _generated(body.restored_spans),
-            }
+            },
         )
     if kind is _COMPLETED or kind is _PREFIX:
         assert isinstance(body, RecordBody)
         spans = body.spans
-        return _made(
+        return filled(
+            CallState,
             {
                 **base,
                 "rollout_id": rollout_id,
@@ -353,12 +359,13 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
                 "cumulative_hash": body.cumulative_hash,
                 "spans": merge_spans(spans),
                 "generated_tokens": _generated(spans),
-            }
+            },
         )
     if kind is _CHUNK:
         assert isinstance(body, RecordBody)
         merged = merge_spans([*base["spans"], *body.spans])
-        return _made(
+        return filled(
+            CallState,
             {
                 **base,
                 "rollout_id": rollout_id,
@@ -369,10 +376,11 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
                 "cum_len": (base["cum_len"] or body.prev_len) + body.delta_len,
                 "spans": merged,
                 "generated_tokens": _generated(merged),
-            }
+            },
         )
     if kind is _FAILED:
-        return _made(
+        return filled(
+            CallState,
             {
                 **base,
                 "rollout_id": rollout_id,
@@ -380,10 +388,11 @@ def fold_call(current: CallState | None, event: Event) -> CallState:
                 "stream_version": version,
                 "last_seq": seq,
                 "state": "failed",
-            }
+            },
         )
-    return _made(
-        {**base, "rollout_id": rollout_id, "model_call_id": model_call_id, "stream_version": version, "last_seq": seq}
+    return filled(
+        CallState,
+        {**base, "rollout_id": rollout_id, "model_call_id": model_call_id, "stream_version": version, "last_seq": seq},
     )  # keys cleared: only the stream position moves
 
 
@@ -402,12 +411,8 @@ def fold_keys(event: Event) -> tuple[dict[str, KeyState], list[str]]:
     """Keys the event adds, and keys it withdraws."""
     if event.kind in RECORD_KINDS:
         key, seq, rollout_id, model_call_id, digest = staged_key_row(event)
-        # A KeyState made as ``_made`` makes a CallState: its fields as one ``__dict__``.
-        state = _new_object(KeyState)
-        _set_fields(
-            state,
-            "__dict__",
-            {"event_seq": seq, "rollout_id": rollout_id, "model_call_id": model_call_id, "digest": digest},
+        state = filled(
+            KeyState, {"event_seq": seq, "rollout_id": rollout_id, "model_call_id": model_call_id, "digest": digest}
         )
         return {key: state}, []
     if event.kind is EventKind.KEYS_CLEARED:

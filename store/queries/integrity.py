@@ -17,7 +17,7 @@ import msgspec
 
 from store.errors import CorruptRecordError
 from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, decode_body
-from store.projections.fold import RECEIPT_STREAM, Event
+from store.projections.fold import RECEIPT_STREAM, Event, filled
 from store.wire.columns import event_checksum
 
 # What decoding damaged bytes can raise (msgspec's errors derive from ValueError; listed for clarity).
@@ -52,17 +52,17 @@ def verified_event(values: Mapping[Any, Any]) -> Event:
         body = decode_body(kind, bytes(values["body"]))
     except DECODE_ERRORS as exc:
         raise CorruptRecordError(f"{describe(values)} cannot be decoded: {type(exc).__name__}: {exc}") from exc
-    # Filled through ``__dict__``: a frozen dataclass's ``__init__`` sets each field through
-    # ``object.__setattr__``, a share of every pass over the log (Event has no __post_init__).
-    event = _new_object(Event)
-    event.__dict__.update(
-        seq=values["seq"],
-        kind=kind,
-        rollout_id=values["rollout_id"],
-        model_call_id=values["model_call_id"],
-        stream_version=values["stream_version"],
-        staging_key=values["staging_key"],
-        body=body,
+    event = filled(
+        Event,
+        {
+            "seq": values["seq"],
+            "kind": kind,
+            "rollout_id": values["rollout_id"],
+            "model_call_id": values["model_call_id"],
+            "stream_version": values["stream_version"],
+            "staging_key": values["staging_key"],
+            "body": body,
+        },
     )
     problem = _inconsistency(event, values)
     if problem is not None:
@@ -70,7 +70,6 @@ def verified_event(values: Mapping[Any, Any]) -> Event:
     return event
 
 
-_new_object = object.__new__
 _KINDS = {kind.value: kind for kind in EventKind}  # a dict lookup: the Enum call is slower, per event
 _token_columns = operator.itemgetter("token_ids", "token_mask", "log_probs")
 
