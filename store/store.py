@@ -174,7 +174,7 @@ class Store:
         ``kind`` and ``spans`` let the capture mark cut prefixes and chunks; the default
         is a call's terminal record, its generated tokens produced by its weight version.
         """
-        event = self._new_record_event(record, staging_key, kind, spans, completion)
+        event = self._record_event(record, staging_key, kind, spans, completion)
         stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
         return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
 
@@ -187,7 +187,10 @@ class Store:
         Raises ``StagingRefusedError`` (nothing written) if any key holds a different record.
         Used by generation cuts, whose acknowledgements must all hold before any is sealed.
         """
-        events = [self._record_event(entry) for entry in arguments.sequence_of("entries", entries, StageEntry)]
+        events = [
+            self._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
+            for entry in arguments.sequence_of("entries", entries, StageEntry)
+        ]
         receipt_event = None
         if cut_receipt is not None:
             checkpoint_id, inventory_digest, receipt = arguments.cut_receipt(cut_receipt)
@@ -212,11 +215,7 @@ class Store:
 
         return self._log.write(work)
 
-    def _record_event(self, entry: StageEntry) -> NewEvent:
-        """The event of one record to stage; every argument is checked here, before any write."""
-        return self._new_record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
-
-    def _new_record_event(
+    def _record_event(
         self,
         record: StagedCallRecord,
         staging_key: str | None,
@@ -224,7 +223,8 @@ class Store:
         spans: Sequence[Span] | None,
         completion: Completion | None,
     ) -> NewEvent:
-        """``_record_event`` of a ``StageEntry``'s fields (``stage`` makes no entry)."""
+        """The event of one record to stage (a ``StageEntry``'s fields; ``stage`` makes no
+        entry); every argument is checked here, before any write."""
         if not isinstance(record, StagedCallRecord):
             raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id

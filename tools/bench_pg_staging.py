@@ -206,26 +206,42 @@ def floor_params(record: StagedCallRecord, row: EventRow) -> FloorParams:
     return lookup, event, call, key
 
 
-class LookupFloorSide:
+class _RawStatementsSide:
+    """A raw psycopg connection to a fresh store schema (created and migrated by the store),
+    the store's compiled statements and its write lock: what both floors send their statements
+    with.  ``close`` checks that every stage wrote its key."""
+
+    def __init__(self, url: str, name: str) -> None:
+        open_store(url, schema=name).close()  # the store's schema, migrated
+        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+        self.statements = _Statements(engine)
+        engine.dispose()
+        self.lock = postgresql_backend(name).begin_write_sql
+        self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")
+        self.connection.execute("SET synchronous_commit = on")
+        self.name, self.rows = name, 0
+
+    def close(self) -> None:
+        stored = self.connection.execute("SELECT count(*) FROM staged_keys").fetchone()
+        self.connection.close()
+        if stored is None or stored[0] != self.rows:
+            raise AssertionError(f"floor: {stored} keys stored, {self.rows} expected")
+
+
+class LookupFloorSide(_RawStatementsSide):
     """For scale: the statements of a stage that reads first, through raw psycopg in one
     pipeline per transaction (BEGIN, advisory lock, the lookup with the event's nextval -- one
     wait -- then the event, calls and key inserts and COMMIT -- one wait), parameters built
     before the clock."""
 
     def __init__(self, url: str, name: str) -> None:
-        open_store(url, schema=name).close()  # the store's schema, migrated
-        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
-        self.sql = _Statements(engine)
-        engine.dispose()
-        assert self.sql.stage_lookup_seq is not None
-        self.lookup = self.sql.stage_lookup_seq  # the stage's lookup with its event's nextval, as the store sends it
-        self.lock = postgresql_backend(name).begin_write_sql
-        self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")
-        self.connection.execute("SET synchronous_commit = on")
-        self.name, self.rows = name, 0
+        super().__init__(url, name)
+        assert self.statements.stage_lookup_seq is not None
+        # The stage's lookup with its event's nextval, as the store sends it.
+        self.lookup = self.statements.stage_lookup_seq
 
     def run(self, stages: list[FloorParams]) -> float:
-        sql, connection = self.sql, self.connection
+        sql, connection = self.statements, self.connection
         start = time.perf_counter()
         for lookup, event, call, key in stages:
             cursor = connection.cursor()
@@ -241,12 +257,6 @@ class LookupFloorSide:
         self.rows += len(stages)
         return elapsed
 
-    def close(self) -> None:
-        stored = self.connection.execute("SELECT count(*) FROM staged_keys").fetchone()
-        self.connection.close()
-        if stored is None or stored[0] != self.rows:
-            raise AssertionError(f"floor: {stored} keys stored, {self.rows} expected")
-
 
 def guessed_params(record: StagedCallRecord, row: EventRow) -> dict[str, Any]:
     """The parameters of the store's guarded new-stream statement for ``record`` (its event
@@ -260,21 +270,15 @@ def guessed_params(record: StagedCallRecord, row: EventRow) -> dict[str, Any]:
     return values
 
 
-class FloorSide:
+class FloorSide(_RawStatementsSide):
     """For scale: the store's own statements for a lone stage of a new stream through raw
     psycopg in one pipeline per transaction (BEGIN, advisory lock, the guarded event + calls +
     key statement, COMMIT: one wait), parameters built before the clock."""
 
     def __init__(self, url: str, name: str) -> None:
-        open_store(url, schema=name).close()  # the store's schema, migrated
-        engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
-        self.sql = _Statements(engine).stage_new
-        engine.dispose()
+        super().__init__(url, name)
+        self.sql = self.statements.stage_new
         assert self.sql is not None
-        self.lock = postgresql_backend(name).begin_write_sql
-        self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")
-        self.connection.execute("SET synchronous_commit = on")
-        self.name, self.rows = name, 0
 
     def run(self, stages: list[dict[str, Any]]) -> float:
         connection, sql = self.connection, self.sql
@@ -292,12 +296,6 @@ class FloorSide:
         elapsed = time.perf_counter() - start
         self.rows += len(stages)
         return elapsed
-
-    def close(self) -> None:
-        stored = self.connection.execute("SELECT count(*) FROM staged_keys").fetchone()
-        self.connection.close()
-        if stored is None or stored[0] != self.rows:
-            raise AssertionError(f"floor: {stored} keys stored, {self.rows} expected")
 
 
 def schema_name(variant: str, index: int) -> str:
