@@ -312,7 +312,8 @@ def _seqs_after(store_url: str, last: int) -> list[int]:
 
 def _staging(target: Store, record: Any, staging_key: str | None = None) -> _Pending[Any]:
     """A pending stage as ``Store.stage`` queues it, read-ahead hint included."""
-    event = target._record_event(StageEntry(record, staging_key))
+    entry = StageEntry(record, staging_key)
+    event = target._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
     stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
     return _Pending(lambda tx: stage_event(tx, event, record.digest), True, (stream,))
 
