@@ -22,6 +22,12 @@
     standard library, so it is loaded from that file alone, in this interpreter; both sides'
     digests are checked equal first.  Target (issue 11): Gym / ours >= 8x.  Skipped, and
     said so, without the path.  Gym's code is read from PATH at run time and never copied.
+    The wheel declares Python >= 3.13.14, so pip on an older Python finds no release unless
+    told the target version; the module itself runs here:
+
+        pip download --no-deps --only-binary=:all: --python-version 3.13.14 -d /tmp/gym nemo-gym==0.7.0
+        unzip -q /tmp/gym/nemo_gym-0.7.0-py3-none-any.whl 'nemo_gym/token_id_capture/*' -d /tmp/gym/unpacked
+        .venv/bin/python tools/bench_records.py --nemo-gym /tmp/gym/unpacked
 
 Every comparison alternates short blocks (about 6 ms) of each side within each round, and
 reports the median, min and max of the per-round ratios (the machine may be shared).
