@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from capture_helpers import event_count, writes_nothing
+from capture_helpers import continuation_from, event_count, writes_nothing
 from factories import make_record
 from test_capture import child_admission, make_capture, root_admission, stage_root
 
@@ -440,6 +440,63 @@ def test_retain_never_withdraws_the_cut_keys_of_a_call_still_decoding(store: Sto
     kept = [info.staging_key for info in store.staged_keys("r0") if not info.staging_key.startswith("__")]
     assert set(store.retain(kept, capture_keys=["r0"]).removed) == set(second)
     assert store.audit().ok
+
+
+def test_retain_keeps_the_cut_keys_a_later_attempt_still_builds_on(store: Store) -> None:
+    """Attempt 1 continues attempt 0's cut; attempt 0 is retired and its retain set leaves the cut
+    out.  Attempt 1 is still decoding: its receipts name that key again (its durable prefix starts
+    with it), so the key stays until attempt 1's call ends or attempt 1 is retired.  (Found by the
+    state machine: a later cut acknowledged a key that no longer fetched, and its restore failed.)"""
+    capture, _ = make_capture(store, 7)
+    root, prefix = stage_root(capture)
+    cut_call = capture.begin_call(child_admission(root, prefix))
+    capture.track(cut_call, prompt_token_ids=[*prefix, 20, 21], effective_output_limit=10)
+    capture.observe(cut_call, [30, 31], [-0.5, -0.75])
+
+    def cut(checkpoint_id: str, rollout_id: str, attempt: int) -> GenerationCutContinuation:
+        ticket = GenerationCutPrefix(
+            ticket_id="t1", rollout_id=rollout_id, attempt_index=attempt, model_call_id="c1", admitted_at=1.0
+        )
+        inventory = GenerationCutInventory.build(
+            checkpoint_id=checkpoint_id, server_name="policy", active_prefixes=[ticket]
+        )
+        (ack,) = capture.serve_generation_cut(inventory).prefixes
+        assert ack.cut_kind == "active_prefix"
+        assert len(store.fetch_chunks(list(ack.staging_keys))) == len(ack.staging_keys)  # acknowledged: they fetch
+        return continuation_from(ack)
+
+    first = cut("ck1", "r0", 0)
+    (inherited,) = first.staging_keys
+    replacement = capture.begin_call(child_admission(root, prefix, rollout_id="r0-a1", generation_cut=first))
+    assert replacement.continuation is not None
+    capture.track(
+        replacement, prompt_token_ids=list(replacement.continuation.engine_prompt_token_ids), effective_output_limit=10
+    )
+    assert store.retire(["r0"]).removed == ["r0"]
+    # Attempt 0's retain set: its terminal key only.  The cut key stays: attempt 1 builds on it.
+    removal = store.retain([root.staging_key], capture_keys=["r0"])
+    assert inherited not in removal.removed
+    capture.observe(replacement, [32], [-0.125])
+    second = cut("ck2", "r0", 1)
+    assert second.staging_keys[0] == inherited
+    # Attempt 1 dies; attempt 2 restores its cut, which starts with attempt 0's key.
+    again = capture.begin_call(child_admission(root, prefix, rollout_id="r0-a2", generation_cut=second))
+    assert again.continuation is not None
+    assert list(again.continuation.restored_token_ids) == [30, 31, 32]
+    assert store.audit().ok
+    # Attempts 1 and 2 both build on the key: it goes only once neither still does.
+    assert store.retire(["r0-a1"]).removed == ["r0-a1"]
+    assert inherited not in store.retain([root.staging_key], capture_keys=["r0"]).removed
+    capture.complete_call(
+        again,
+        prompt_token_ids=list(again.continuation.engine_prompt_token_ids),
+        generated_token_ids=[40],
+        generated_logprobs=[-0.3],
+    )
+    assert store.retain([root.staging_key], capture_keys=["r0"]).removed == [inherited]
+    report = store.audit()
+    assert report.ok, report.summary()
+    assert store.replay().ok
 
 
 def test_serving_a_cut_of_a_retired_capture_key_is_refused_and_stages_nothing(store: Store) -> None:

@@ -18,12 +18,13 @@ from sqlalchemy import (
     String,
     Table,
     UniqueConstraint,
+    text,
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 
 metadata = MetaData()
 
@@ -82,6 +83,14 @@ calls = Table(
     Column("version_spans", LargeBinary, nullable=False),
     Column("last_seq", BigInteger, nullable=False),
     PrimaryKeyConstraint("rollout_id", "model_call_id", name="pk_calls"),
+    # The calls that continue a given call (``Store.retain``); only those rows are indexed.
+    Index(
+        "ix_calls_continues",
+        "continues_rollout_id",
+        "continues_model_call_id",
+        sqlite_where=text("continues_rollout_id IS NOT NULL"),
+        postgresql_where=text("continues_rollout_id IS NOT NULL"),
+    ),
     sqlite_with_rowid=False,
 )
 
