@@ -180,13 +180,20 @@ class Store:
 
     @operation
     def stage_all(
-        self, entries: Sequence[StageEntry], *, cut_receipt: tuple[str, str, bytes] | None = None
+        self,
+        entries: Sequence[StageEntry],
+        *,
+        cut_receipt: tuple[str, str, bytes] | None = None,
+        acknowledged: Sequence[str] = (),
     ) -> list[StageResult]:
         """Stage several records, and optionally a cut receipt, in one transaction: all or nothing.
 
-        Raises ``StagingRefusedError`` (nothing written) if any key holds a different record.
-        Used by generation cuts, whose acknowledgements must all hold before any is sealed.
+        Raises ``StagingRefusedError`` (nothing written) if any key holds a different record, or
+        if a key of ``acknowledged`` (the keys a cut receipt acknowledges) holds no record once
+        the entries are staged: a receipt never names a key that does not fetch.  Used by
+        generation cuts, whose acknowledgements must all hold before any is sealed.
         """
+        required = arguments.texts("acknowledged", acknowledged)
         events = [
             self._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
             for entry in arguments.sequence_of("entries", entries, StageEntry)
@@ -206,6 +213,12 @@ class Store:
                 if not result.ok:
                     raise StagingRefusedError(result.error or "refused")
                 results.append(result)
+            for key in required:
+                if tx.key(key) is None:
+                    raise StagingRefusedError(
+                        f"the cut acknowledges key {key!r}, which holds no record (withdrawn or deleted); "
+                        "nothing was written"
+                    )
             if receipt_event is not None:
                 body = receipt_event.body
                 assert isinstance(body, CutReceiptBody)

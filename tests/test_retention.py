@@ -499,6 +499,40 @@ def test_retain_keeps_the_cut_keys_a_later_attempt_still_builds_on(store: Store)
     assert store.replay().ok
 
 
+def test_a_cut_never_acknowledges_a_key_that_no_longer_holds_its_record(store: Store) -> None:
+    """Attempt 0 is deleted while attempt 1 still decodes on its cut (the contract says delete once
+    nothing can write; this is the misuse).  Attempt 1's next cut would name attempt 0's key: the
+    cut is refused and writes nothing, instead of acknowledging a prefix no restore can fetch."""
+    capture, _ = make_capture(store, 7)
+    root, prefix = stage_root(capture, rollout_id="r9")
+    cut_call = capture.begin_call(child_admission(root, prefix))
+    capture.track(cut_call, prompt_token_ids=[*prefix, 20, 21], effective_output_limit=10)
+    capture.observe(cut_call, [30, 31], [-0.5, -0.75])
+
+    def inventory(checkpoint_id: str, attempt: int) -> GenerationCutInventory:
+        ticket = GenerationCutPrefix(
+            ticket_id="t1", rollout_id="r9", attempt_index=attempt, model_call_id="c1", admitted_at=1.0
+        )
+        return GenerationCutInventory.build(checkpoint_id=checkpoint_id, server_name="policy", active_prefixes=[ticket])
+
+    (ack,) = capture.serve_generation_cut(inventory("ck1", 0)).prefixes
+    replacement = capture.begin_call(
+        child_admission(root, prefix, rollout_id="r9-a1", generation_cut=continuation_from(ack))
+    )
+    assert replacement.continuation is not None
+    capture.track(
+        replacement, prompt_token_ids=list(replacement.continuation.engine_prompt_token_ids), effective_output_limit=10
+    )
+    assert store.delete(["r9"]).removed == ["r9"]
+    capture.observe(replacement, [32], [-0.125])
+    later = inventory("ck2", 1)
+    with writes_nothing(store), pytest.raises(GenerationCutError, match="holds no record"):
+        capture.serve_generation_cut(later)
+    assert store.cut_receipt(later.checkpoint_id, later.inventory_digest) is None
+    with writes_nothing(store), pytest.raises(InvalidRecordError):
+        store.stage_all([], acknowledged="r9/c0")  # type: ignore[arg-type]  # one string is not a list
+
+
 def test_serving_a_cut_of_a_retired_capture_key_is_refused_and_stages_nothing(store: Store) -> None:
     capture, _ = make_capture(store, 7)
     root, prefix = stage_root(capture)

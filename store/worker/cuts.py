@@ -522,9 +522,14 @@ class CutServer:
             )
             receipt.validate_for(inventory)
             entries = [plan.entry for plan in plans if plan.entry is not None]
+            # A continued call's keys start with the cut it continued, staged by an earlier
+            # attempt: the transaction checks every acknowledged key still holds its record.
+            acknowledged = [key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys]
             failpoints.hit("mid_cut")
             self._store.stage_all(
-                entries, cut_receipt=(inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt))
+                entries,
+                cut_receipt=(inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt)),
+                acknowledged=acknowledged,
             )
         except Exception as exc:
             for live in locked:
