@@ -45,7 +45,7 @@ from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 from store import Store, open_store
 from store.log import schema
 from store.log.events import EventKind, decode_body
-from store.projections.fold import Event, filled
+from store.queries.integrity import stored_event
 from store.queries.replay import Folded
 from store.wire.columns import event_checksum
 
@@ -106,8 +106,8 @@ _KINDS = {kind.value: kind for kind in EventKind}
 def floor_fold_read(path: str) -> int:
     """``floor+live`` with the fold: every event folded by the store's fold functions and the
     rebuilt projections compared with the live rows (raw reads, no store plumbing).  Made as
-    lean as the store's own pass: the cyclic collector paused, each ``Event`` made by ``filled``
-    (no frozen-dataclass ``__init__``)."""
+    lean as the store's own pass: the cyclic collector paused, each ``Event`` made by the
+    store's ``stored_event`` (no frozen-dataclass ``__init__``)."""
     folded = Folded()
     fold = folded.fold
     connection = sqlite3.connect(path)
@@ -119,19 +119,7 @@ def floor_fold_read(path: str) -> int:
             if event_checksum(values) != values["checksum"]:
                 raise AssertionError(f"event {values['seq']} failed its checksum")
             kind = _KINDS[values["kind"]]
-            event = filled(
-                Event,
-                {
-                    "seq": values["seq"],
-                    "kind": kind,
-                    "rollout_id": values["rollout_id"],
-                    "model_call_id": values["model_call_id"],
-                    "stream_version": values["stream_version"],
-                    "staging_key": values["staging_key"],
-                    "body": decode_body(kind, values["body"]),
-                },
-            )
-            fold(event)
+            fold(stored_event(values, kind, decode_body(kind, values["body"])))
         differing = 0
         for table, query in zip(schema.PROJECTION_TABLES, _LIVE_SELECTS, strict=True):
             rebuilt = folded.row_tuples(table)
