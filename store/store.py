@@ -198,6 +198,7 @@ class Store:
             self._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
             for entry in arguments.sequence_of("entries", entries, StageEntry)
         ]
+        staged_here = {event.staging_key for event in events}  # hold their records once staged
         receipt_event = None
         if cut_receipt is not None:
             checkpoint_id, inventory_digest, receipt = arguments.cut_receipt(cut_receipt)
@@ -213,12 +214,12 @@ class Store:
                 if not result.ok:
                     raise StagingRefusedError(result.error or "refused")
                 results.append(result)
-            for key in required:
-                if tx.key(key) is None:
-                    raise StagingRefusedError(
-                        f"the cut acknowledges key {key!r}, which holds no record (withdrawn or deleted); "
-                        "nothing was written"
-                    )
+            missing = tx.missing_keys([key for key in required if key not in staged_here])
+            if missing:
+                raise StagingRefusedError(
+                    f"the cut acknowledges key {missing[0]!r}, which holds no record (withdrawn or deleted); "
+                    "nothing was written"
+                )
             if receipt_event is not None:
                 body = receipt_event.body
                 assert isinstance(body, CutReceiptBody)

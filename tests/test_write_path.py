@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from factories import make_record
 
 from store import StagedCallRecord, StageEntry, StageResult, Store, StoreClosedError, open_store
-from store.append.log import EventLog
-from store.errors import RolloutFencedError, StorageError, UnknownKeyError
+from store.append.log import KEYS_PER_STATEMENT, EventLog
+from store.errors import RolloutFencedError, StagingRefusedError, StorageError, UnknownKeyError
 from store.lifecycle import CallGate
 from store.log import checkpointer as checkpointer_module
 from store.log import engine as engine_module
@@ -970,3 +970,19 @@ def test_events_take_their_seqs_after_what_another_writer_committed_between_two_
     finally:
         first.close()
         second.close()
+
+
+def test_stage_all_refuses_an_acknowledged_key_that_holds_no_record_past_one_statement(store: Store) -> None:
+    """``acknowledged`` is checked in statements of many keys: a missing key late in a long list
+    is still named, and nothing is written; keys staged by the same call count as held."""
+    held = [make_record(rollout_id=f"ack-{index}", model_call_id="c0") for index in range(KEYS_PER_STATEMENT + 20)]
+    store.stage_all([StageEntry(record) for record in held])
+    keys = [record.staging_key for record in held]
+    staged_now = make_record(rollout_id="ack-new", model_call_id="c0")
+    assert store.stage_all([StageEntry(staged_now)], acknowledged=[*keys, staged_now.staging_key])[0].ok
+    missing = "ack-gone/c0"
+    late = make_record(rollout_id="ack-late", model_call_id="c0")
+    with pytest.raises(StagingRefusedError, match="'ack-gone/c0'"):
+        store.stage_all([StageEntry(late)], acknowledged=[*keys[:-5], missing, *keys[-5:]])
+    with pytest.raises(UnknownKeyError):
+        store.fetch([late.staging_key])  # refused whole: the batch's record was not written
