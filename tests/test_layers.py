@@ -1,4 +1,4 @@
-"""The package's layers: every import inside ``store`` points down (README, "How the code is laid out").
+"""The package's layers: every import inside ``store`` points down (docs/testing.md, "How the code is laid out").
 
 Imports made only for type hints or inside a function count too: an import that points up
 is a circle waiting to happen, wherever it stands.
@@ -59,7 +59,7 @@ def _own_part(path: Path) -> str | None:
 def test_every_part_of_the_package_has_a_layer() -> None:
     modules = {path.stem for path in ROOT.glob("*.py")} - {"__init__"}
     packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
-    assert modules | packages == set(RANK), "add new parts of store/ to LAYERS (and to the README's layout table)"
+    assert modules | packages == set(RANK), "add new parts of store/ to LAYERS (and to docs/testing.md's layout table)"
 
 
 def test_imports_inside_the_package_point_down() -> None:

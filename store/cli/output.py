@@ -15,7 +15,7 @@ Progress = Callable[[int, int], object]
 
 
 def emit_json(value: Any) -> None:
-    """One JSON document on stdout (shapes are documented in README's command-line section)."""
+    """One JSON document on stdout (shapes are documented in docs/cli.md)."""
     sys.stdout.write(json.dumps(value, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
