@@ -83,23 +83,47 @@ class CorruptRecordError(StoreError):
 
 
 class CaptureError(StoreError):
-    """A worker-capture rule was violated (a caller bug); nothing was staged."""
+    """A worker-capture rule was violated (a caller bug); nothing was staged.
+
+    ``code`` names the rule, so a worker can tell refusals apart without reading messages:
+    each check of ``begin_call`` on a continuation has its own (``keys``, ``source_call``,
+    ``chunk_kind``, ``own_attempt``, ``lineage``, ``parent_chain``, ``cumulative_hash``,
+    ``token_count``, ``policy_version``, ``digest``, ``unreadable``), and so do ``output_limit``,
+    ``prompt``, ``finished_call`` and ``not_authorized``; the class's own code otherwise.
+    """
+
+    default_code = "capture"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code or self.default_code
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # keeps .code across pickling
+        return type(self), (str(self), self.code)
 
 
 class StreamingUnsupportedError(CaptureError):
     """Token capture needs the whole response; streaming is refused."""
 
+    default_code = "streaming"
+
 
 class GenerationCutError(CaptureError):
     """A generation cut could not be served, or a continuation could not be resolved."""
+
+    default_code = "generation_cut"
 
 
 class AdmissionTypeError(CaptureError, TypeError):
     """``begin_call`` needs a typed ``CaptureAdmission`` (Gym raises ``TypeError`` too)."""
 
+    default_code = "admission_type"
+
 
 class CaptureDataError(CaptureError, ValueError):
     """A prompt or engine output does not fit its call; completion turns it into failed coords."""
+
+    default_code = "data"
 
 
 class ReceiptVerificationError(StoreError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
 from store.shipping import identity
-from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult
+from store.wire.cut_records import GenerationCutPrefixAck, GenerationCutReceipt, capture_key
+from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult, from_json
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
@@ -450,10 +452,15 @@ class Store:
     # --- events the worker capture appends ----------------------------------------------------
 
     @operation
-    def record_admission(self, rollout_id: str, model_call_id: str, body: AdmissionBody) -> None:
+    def record_admission(
+        self, rollout_id: str, model_call_id: str, body: AdmissionBody, *, recorded_at: float | None = None
+    ) -> None:
+        """Log an accepted admission; ``recorded_at`` is its admission time (now when None)."""
         arguments.stream(rollout_id, model_call_id)
         arguments.body(EventKind.CALL_ADMITTED, body)
-        event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body)
+        if recorded_at is not None and (type(recorded_at) is not float or not math.isfinite(recorded_at)):
+            raise InvalidRecordError(f"recorded_at must be a finite float, got {recorded_at!r}")
+        event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body, recorded_at=recorded_at)
         self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     @operation
@@ -498,6 +505,35 @@ class Store:
         arguments.text("checkpoint_id", checkpoint_id)
         arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
+
+    @operation
+    def cut_receipts(
+        self, *, checkpoint_id: str | None = None, rollout_id: str | None = None
+    ) -> list[GenerationCutReceipt]:
+        """The cut receipts kept in the log, oldest first: every one, one checkpoint's, or those
+        acknowledging a call of ``rollout_id`` (the bare rollout or an attempt's capture key).
+
+        By checkpoint reads that checkpoint's receipts only; by rollout reads every receipt.
+        """
+        checkpoint = arguments.optional_text("checkpoint_id", checkpoint_id)
+        rollout = arguments.optional_text("rollout_id", rollout_id)
+        receipts = [from_json(raw, GenerationCutReceipt) for raw in self._reader.cut_receipts(checkpoint)]
+        if rollout is None:
+            return receipts
+        return [receipt for receipt in receipts if any(_names(ack, rollout) for ack in receipt.prefixes)]
+
+    def latest_cut(self, rollout_id: str, model_call_id: str) -> GenerationCutPrefixAck | None:
+        """The newest ``durable_prefix`` acknowledgement of the call: of its latest attempt that was
+        cut, from the newest receipt (what ``RolloutTokenCapture.continue_latest_cut`` continues)."""
+        arguments.stream(rollout_id, model_call_id)
+        latest: GenerationCutPrefixAck | None = None
+        for receipt in self.cut_receipts(rollout_id=rollout_id):
+            for ack in receipt.prefixes:
+                if ack.model_call_id != model_call_id or ack.disposition != "durable_prefix":
+                    continue
+                if _names(ack, rollout_id) and (latest is None or ack.attempt_index >= latest.attempt_index):
+                    latest = ack
+        return latest
 
     # --- retention (store.retention) -------------------------------------------------------
 
@@ -583,3 +619,8 @@ def open_store(
     raises ``ReadOnlyStoreError``.
     """
     return Store(url_or_path, durability=durability, schema=schema, read_only=read_only)
+
+
+def _names(ack: GenerationCutPrefixAck, rollout_id: str) -> bool:
+    """Whether an acknowledgement is of ``rollout_id``: its bare rollout, or its attempt's capture key."""
+    return ack.rollout_id == rollout_id or capture_key(ack.rollout_id, ack.attempt_index) == rollout_id

@@ -38,7 +38,7 @@ from store.log.engine import resolve_url
 from store.log.schema import cut_receipts, events, staged_keys
 from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX
 from store.worker.capture import resolve_prefix
-from store.worker.cuts import resolve_continuation
+from store.worker.resolve import resolve_continuation
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -1130,14 +1130,23 @@ def test_a_restored_terminal_completion_cut_again_before_it_finishes_still_resto
     assert capture.finish_restored_call(replacement).disposition == "staged"
 
 
-def test_continued_call_rejects_a_prompt_other_than_prefix_plus_cut(cut: Cut) -> None:
+@pytest.mark.parametrize(
+    ("prompt_tail", "generated"),
+    [([20], [30, 31, 32]), ([20, 21, 30], [32]), ([20, 21], [31, 30, 32])],
+    ids=["carry-cut-short", "half-the-cut", "restored-tokens-differ"],
+)
+def test_continued_call_rejects_a_prompt_that_is_neither_shape(
+    cut: Cut, prompt_tail: list[int], generated: list[int]
+) -> None:
+    """Neither prefix + cut tokens (the engine's prompt) nor prefix + carry with the restored
+    tokens first (the natural shape): the data does not fit the call."""
     rollout = cut.rollout
     replacement = rollout.restore(cut.ack, attempt=1, track=False)
     coords = rollout.capture.complete_call(
         replacement,
-        prompt_token_ids=[*rollout.prefix, 20, 21],  # the cut tokens are missing from the prompt
-        generated_token_ids=[30, 31, 32],
-        generated_logprobs=[-0.5, -0.75, -0.125],
+        prompt_token_ids=[*rollout.prefix, *prompt_tail],
+        generated_token_ids=generated,
+        generated_logprobs=[-0.5, -0.75, -0.125][: len(generated)],
     )
     assert coords.disposition == "capture_failed"
     assert_unknown(rollout.store, "r0-a1/c1")
@@ -1517,7 +1526,7 @@ def test_periodic_flush_is_inert_when_disabled(rollout: Rollout) -> None:
     before_threads = {t.ident for t in threading.enumerate() if t.name == "staging-store-flush"}
     capture = rollout.new_capture(flush_threshold_tokens=0, flush_interval=0.01)
     rollout.capture = capture
-    call = rollout.live_call()
+    call = rollout.live_call(limit=100)
     after_threads = {t.ident for t in threading.enumerate() if t.name == "staging-store-flush"}
     assert after_threads <= before_threads  # no flush thread was started
     with writes_nothing(rollout.store):

@@ -67,7 +67,7 @@ from store import (
 )
 from store.log.events import EventKind
 from store.worker.capture import _admission_body as admission_body
-from store.worker.cuts import resolve_continuation
+from store.worker.resolve import resolve_continuation
 
 VOCAB = 150_000
 TARGET_RATIO = 6.0

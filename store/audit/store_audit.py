@@ -55,6 +55,7 @@ from store.projections.fold import Event
 from store.queries.integrity import DECODE_ERRORS, verified_event
 from store.queries.reads import record_fields, stored_columns
 from store.queries.replay import Folded, ReplayDifference, UnreadableRow, paused_gc, stored_rows, table_rows
+from store.wire import continuations
 from store.wire.columns import TokenIds, decode_ids
 from store.wire.digest import (
     CUMULATIVE_DOMAIN,
@@ -502,44 +503,28 @@ class _Audit:
     def _continuation_problems(
         self, event: Event, body: AdmissionBody, continuation: GenerationCutContinuation
     ) -> list[str]:
-        """Whether the cut it names was staged earlier, by an earlier attempt of the call, as a cut."""
+        """Whether the cut it names was staged earlier, by an earlier attempt of the call, as a cut:
+        the rules ``begin_call`` admits by (``store.wire.continuations``), read from the log."""
         source = (continuation.source_capture_key, continuation.source_model_call_id)
         reasons = []
         if body.continues != source:
             reasons.append(f"it says it continues {body.continues}, its continuation names {source}")
-        if source[0] == event.rollout_id:
-            reasons.append(f"it continues a cut of its own attempt {source[0]!r}, not an earlier one")
-        owners = self._continued_calls(source)
-        chunks: list[_Record] = []
-        for index, key in enumerate(continuation.staging_keys):
-            chunk = self.records_by_key.get(key)
-            if chunk is None:
-                reasons.append(f"the cut names key {key!r}, which no earlier event staged")
-                continue
-            owner = (chunk.rollout_id, chunk.model_call_id)
-            if owner not in owners:
-                reasons.append(f"the cut's key {key!r} holds a record of {owner[0]}/{owner[1]}, not of the cut call")
-            if not _chunk_kind_fits(chunk.kind, index, len(continuation.staging_keys)):
-                reasons.append(f"the cut's key {key!r} holds a {chunk.kind.value} record, wrong at place {index}")
-            chunks.append(chunk)
-        if len(chunks) < len(continuation.staging_keys):
-            return reasons
-        generated = sum(chunk.generated for chunk in chunks)
-        if generated != continuation.generation_token_count:
-            named = continuation.generation_token_count
-            reasons.append(f"the cut's chunks hold {generated} generated tokens, it names {named}")
-        versions = [chunk.weight_version for chunk in chunks]
-        if versions != sorted(versions):
-            reasons.append(f"the cut's chunk versions {versions} decrease")
-        first = chunks[0]
-        if (first.parent_call_id, first.prev_len) != (body.parent_call_id, body.prev_len):
-            reasons.append(
-                f"the cut was taken after {first.parent_call_id!r} at {first.prev_len}, "
-                f"the call continues after {body.parent_call_id!r} at {body.prev_len}"
-            )
-        elif first.chain_known and first.parent_chain != body.parent_chain_hash:
-            reasons.append("the cut chained from other parent tokens than the call continues")
-        return reasons
+        own = continuations.own_attempt(event.rollout_id, source[0])
+        if own is not None:
+            reasons.append(own.message)
+        records = [self.records_by_key.get(key) for key in continuation.staging_keys]
+        first = records[0] if records else None
+        chains = None if first is None or not first.chain_known else first.parent_chain == body.parent_chain_hash
+        refusals = continuations.chunk_problems(
+            staging_keys=continuation.staging_keys,
+            generation_token_count=continuation.generation_token_count,
+            chunks=[None if record is None else _facts(record) for record in records],
+            owners=self._continued_calls(source),
+            parent_call_id=body.parent_call_id,
+            prev_len=body.prev_len,
+            chains_from_parent=chains,
+        )
+        return reasons + [refusal.message for refusal in refusals]
 
     def _continued_calls(self, source: tuple[str, str]) -> set[tuple[str, str]]:
         """The cut call and the calls it continued, oldest last (a chunk may be a record of any)."""
@@ -710,11 +695,17 @@ def _mapping(names: list[str], row: tuple[Any, ...] | None) -> dict[str, Any] | 
     return None if row is None else dict(zip(names, row, strict=True))
 
 
-def _chunk_kind_fits(kind: EventKind, index: int, count: int) -> bool:
-    """First the cumulative prefix (or a finished call's terminal record, alone), then chunks."""
-    if index == 0:
-        return kind is EventKind.PREFIX_STAGED or (kind is EventKind.CALL_COMPLETED and count == 1)
-    return kind is EventKind.CHUNK_STAGED
+def _facts(record: _Record) -> continuations.ChunkFacts:
+    return continuations.ChunkFacts(
+        staging_key=record.staging_key,
+        rollout_id=record.rollout_id,
+        model_call_id=record.model_call_id,
+        kind=record.kind.value,
+        generated=record.generated,
+        weight_version=record.weight_version,
+        parent_call_id=record.parent_call_id,
+        prev_len=record.prev_len,
+    )
 
 
 def _content(columns: PackedColumns, start: int, end: int) -> bytes:

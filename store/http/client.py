@@ -8,6 +8,7 @@ manifest's rollout id against the one asked for).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -35,20 +36,25 @@ class ControlClient:
         token: str,
         *,
         timeout: float = 30.0,
-        http_client: httpx.Client | None = None,
+        http_client: Any = None,
     ) -> None:
-        """``http_client``: an ``httpx.Client`` to send through (a test client, a shared pool);
+        """``http_client``: an ``httpx.Client`` (or an ``httpx2.Client``: starlette's TestClient
+        builds on that fork once it is installed) to send through (a test client, a shared pool);
         it stays open when this client closes."""
         if not isinstance(base_url, str) or not base_url:
             raise ConfigurationError("base_url must be a non-empty URL")
         if not isinstance(token, str) or not token.strip():
             raise ConfigurationError("token must be a non-empty string")
-        if http_client is not None and not isinstance(http_client, httpx.Client):
-            raise ConfigurationError(f"http_client must be an httpx.Client, got {type(http_client).__name__}")
+        clients, self._errors = _http_kinds()
+        if http_client is not None and not isinstance(http_client, clients):
+            raise ConfigurationError(
+                f"http_client must be an httpx.Client or an httpx2.Client, got {type(http_client).__name__}"
+            )
         self._root = base_url.rstrip("/").removesuffix("/v1")  # 5.2: the OpenAI base URL names the same worker
         self._auth = {"Authorization": f"Bearer {token}"}
         self._owned = http_client is None
-        self._http = http_client if http_client is not None else httpx.Client(timeout=timeout)
+        # httpx's Client, or the fork's (same interface): typed as httpx's.
+        self._http: httpx.Client = http_client if http_client is not None else httpx.Client(timeout=timeout)  # type: ignore[assignment]
 
     def __enter__(self) -> ControlClient:
         return self
@@ -118,7 +124,7 @@ class ControlClient:
         headers = {**self._auth, "Content-Type": "application/json"} if body is not None else self._auth
         try:
             response = self._http.request(method, f"{self._root}{path}", content=body, headers=headers)
-        except httpx.HTTPError as exc:
+        except self._errors as exc:
             raise ControlRequestError(0, "unreachable", f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
             code, detail = _error_of(response)
@@ -129,7 +135,23 @@ class ControlClient:
             raise ControlRequestError(0, "invalid_answer", f"{method} {path}: {exc}") from exc
 
 
-def _error_of(response: httpx.Response) -> tuple[str, str]:
+def _http_kinds() -> tuple[tuple[type, ...], tuple[type[Exception], ...]]:
+    """The client classes ``http_client`` may be and the transport errors to catch: httpx's, and
+    the ``httpx2`` fork's where it is installed (huggingface_hub brings it, and starlette's
+    TestClient then builds on it); the fork is looked for only here, never imported otherwise."""
+    clients: list[type] = [httpx.Client]
+    errors: list[type[Exception]] = [httpx.HTTPError]
+    try:
+        fork: Any = importlib.import_module("httpx2")
+    except ImportError:
+        pass
+    else:
+        clients.append(fork.Client)
+        errors.append(fork.HTTPError)
+    return tuple(clients), tuple(errors)
+
+
+def _error_of(response: Any) -> tuple[str, str]:
     """The route's ``{"code", "detail"}``, or FastAPI's ``{"detail"}``, or the raw text."""
     try:
         body: Any = response.json()

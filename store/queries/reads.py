@@ -376,6 +376,31 @@ class Reader:
             raise CorruptRecordError(f"{where} names {describe(row._mapping)}, which is not that receipt")
         return bytes(body.receipt)
 
+    def cut_receipts(self, checkpoint_id: str | None = None) -> list[bytes]:
+        """Every kept cut receipt (JSON), of one checkpoint when given, in log order; checksums verified."""
+        receipts, events = schema.cut_receipts, schema.events
+        query = (
+            sa.select(receipts.c.event_seq.label("receipt_event_seq"), *events.c)
+            .select_from(receipts.outerjoin(events, receipts.c.event_seq == events.c.seq))
+            .order_by(receipts.c.event_seq)
+        )
+        if checkpoint_id is not None:
+            query = query.where(receipts.c.checkpoint_id == checkpoint_id)
+        found = []
+        with self.connection("reading cut receipts") as connection:
+            for row in connection.execute(query):
+                if row.seq is None:
+                    raise CorruptRecordError(
+                        f"a stored cut receipt names event {row.receipt_event_seq!r}, which is not in the log"
+                    )
+                body = verified_event(row._mapping).body
+                if not isinstance(body, CutReceiptBody):
+                    raise CorruptRecordError(
+                        f"a stored cut receipt names {describe(row._mapping)}, which is no receipt"
+                    )
+                found.append(bytes(body.receipt))
+        return found
+
 
 def _stored_chunk(
     key: str, row: Mapping[Any, Any], verify_digest: bool, block: ColumnBlock | None, start: int

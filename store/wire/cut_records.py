@@ -10,8 +10,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from store.errors import InvalidRecordError
+from store.wire import continuations
 from store.wire.records import (
     FinishReason,
+    GenerationCutContinuation,
     _check_finish,
     _digest_hex,
     _fail,
@@ -30,6 +33,22 @@ GENERATION_CUT_KEY_PREFIX = "__generation_cut__"
 def capture_key(rollout_id: str, attempt_index: int) -> str:
     """The capture key of an attempt: the bare rollout id for attempt 0, else ``{id}-a{n}``."""
     return rollout_id if attempt_index == 0 else f"{rollout_id}-a{attempt_index}"
+
+
+def split_capture_key(key: str, rollout_id: str) -> int:
+    """The attempt index of capture key ``key`` of rollout ``rollout_id`` (``capture_key``'s inverse).
+
+    The rollout id is needed: an id may itself end in ``-a1``, so ``x-a1`` alone could be attempt
+    1 of ``x`` or attempt 0 of ``x-a1``.  A key that is no attempt of the rollout is refused.
+    """
+    if not isinstance(key, str) or not isinstance(rollout_id, str) or not rollout_id:
+        raise InvalidRecordError(f"split_capture_key needs two non-empty strings, got {key!r} and {rollout_id!r}")
+    if key == rollout_id:
+        return 0
+    suffix = key.removeprefix(f"{rollout_id}-a")
+    if suffix != key and suffix.isascii() and suffix.isdigit() and not suffix.startswith("0"):
+        return int(suffix)
+    raise InvalidRecordError(f"{key!r} is not a capture key of rollout {rollout_id!r} (expected it or {rollout_id}-aN)")
 
 
 def chunk_staging_key(checkpoint_id: str, capture: str, model_call_id: str, sequence: int) -> str:
@@ -180,8 +199,27 @@ class GenerationCutPrefixAck(_CutWire, frozen=True, kw_only=True):
             _non_negative(name, "prefix_token_count", self.prefix_token_count)
             _digest_hex(name, "prefix_digest", self.prefix_digest)
             _positive(name, "effective_output_limit", self.effective_output_limit)
+            over = continuations.token_count_within_limit(self.prefix_token_count, self.effective_output_limit)  # type: ignore[arg-type]
+            if over is not None:
+                raise _fail(name, f"prefix_token_count: {over.message}")
         elif any(value is not None for value in payload) or self.staging_keys or self.terminal_finish_reason:
             raise _fail(name, "durable_failure carries no cut payload")
+
+    def continuation(self) -> GenerationCutContinuation:
+        """What a replacement call continues (Gym's ``GenerationCutRecord.continuation``, 5.2):
+        the source capture key is this ticket's, the rest is copied.  Only for ``durable_prefix``."""
+        if self.disposition != "durable_prefix":
+            raise _fail("GenerationCutPrefixAck", "a durable_failure has no continuation")
+        return GenerationCutContinuation(
+            source_capture_key=capture_key(self.rollout_id, self.attempt_index),
+            source_model_call_id=self.model_call_id,
+            staging_keys=self.staging_keys,
+            generation_token_count=self.prefix_token_count,  # type: ignore[arg-type]  # set for durable_prefix
+            digest=self.prefix_digest,  # type: ignore[arg-type]
+            effective_output_limit=self.effective_output_limit,  # type: ignore[arg-type]
+            terminal_finish_reason=self.terminal_finish_reason,
+            terminal_stop_reason=self.terminal_stop_reason,
+        )
 
     def matches(self, prefix: GenerationCutPrefix) -> bool:
         return (self.rollout_id, self.attempt_index, self.model_call_id, self.admitted_at) == (

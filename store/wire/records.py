@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from store.errors import DigestMismatchError, InvalidRecordError
+from store.wire import continuations
 from store.wire import digest as _digest
 from store.wire.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
 from store.wire.digest import EMPTY_EXTRAS_DIGEST, STAGING_SCHEMA_VERSION, PackedColumns
@@ -176,6 +177,9 @@ class GenerationCutContinuation(_Wire, frozen=True, kw_only=True):
         _non_negative(name, "generation_token_count", self.generation_token_count)
         _digest_hex(name, "digest", self.digest)
         _positive(name, "effective_output_limit", self.effective_output_limit)
+        over = continuations.token_count_within_limit(self.generation_token_count, self.effective_output_limit)
+        if over is not None:
+            raise _fail(name, f"generation_token_count: {over.message}")
         _check_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
 
 

@@ -65,8 +65,16 @@ class ActiveCall:
         prefix_token_ids: TokenIds,
         generation_cut: StagedCallBaseSnapshot | None,
         restored_spans: Sequence[Span],
+        admitted_at: float = 0.0,
+        *,
+        checks_tickets: bool = False,
     ) -> None:
         self.admission = admission
+        # When it was admitted (the admission event's time in the log, and a manifest row's
+        # ``admitted_at``); ``checks_tickets``: the orchestrator stamped it, so a cut ticket
+        # for this call must carry the same time.
+        self.admitted_at = admitted_at
+        self.checks_tickets = checks_tickets
         self.weight_version = weight_version
         self.prefix_token_ids = prefix_token_ids
         self.generation_cut = generation_cut
@@ -152,9 +160,7 @@ def build_prefix_record(
         ids, mask, lps = columns.token_ids, columns.token_mask, columns.log_probs
     else:
         cut_columns = cut.columns
-        expected = TokenIds.concat([call.prefix_token_ids, cut_columns.token_ids])
-        if expected != prompt:
-            raise CaptureDataError("a continued call's prompt must be exactly its prefix plus the cut tokens")
+        generated, logprobs = _after_restored(call, cut, prompt, generated, logprobs)
         ids = TokenIds.concat([cut_columns.token_ids, generated])
         mask = FloatColumn.concat([cut_columns.token_mask, FloatColumn.filled(1.0, len(generated))])
         lps = FloatColumn.concat([cut_columns.log_probs, logprobs])
@@ -172,6 +178,48 @@ def build_prefix_record(
         cumulative_hash=hash_token_columns(prompt, generated),
         extras=extras,
         schema_version=admission.schema_version,
+    )
+
+
+def _after_restored(
+    call: ActiveCall, cut: StagedCallBaseSnapshot, prompt: TokenIds, generated: TokenIds, logprobs: FloatColumn
+) -> tuple[TokenIds, FloatColumn]:
+    """The tokens a continued call generated after its restored cut, from either shape of completion.
+
+    The engine's shape: prompt = prefix + the cut's tokens, generated = the new tokens.  The
+    natural shape: prompt = prefix + the cut's carried prompt tokens, generated = the restored
+    tokens (with the log-probs the cut staged) followed by the new ones.
+    """
+    cut_ids = cut.columns.token_ids
+    if prompt == TokenIds.concat([call.prefix_token_ids, cut_ids]):
+        return generated, logprobs
+    restored = cut.generated_token_count
+    carry = len(cut_ids) - restored
+    if prompt != TokenIds.concat([call.prefix_token_ids, TokenIds(cut_ids.array[:carry])]):
+        raise CaptureDataError(
+            f"a continued call's prompt must be its prefix plus the cut's tokens ({len(call.prefix_token_ids)} + "
+            f"{len(cut_ids)}, continuation.engine_prompt_token_ids) or its prefix plus the carried prompt "
+            f"({len(call.prefix_token_ids)} + {carry}); got {len(prompt)} other tokens",
+            "prompt",
+        )
+    if len(generated) < restored or not np.array_equal(generated.array[:restored], cut_ids.array[carry:]):
+        raise CaptureDataError(
+            f"completed with the natural prompt, the generated tokens must start with the {restored} restored tokens "
+            "(continuation.restored_token_ids)",
+            "prompt",
+        )
+    given = logprobs.array[:restored].astype(np.float32)
+    staged = cut.columns.log_probs.array[carry:].astype(np.float32)
+    differ = np.flatnonzero(given != staged)
+    if len(differ):
+        at = int(differ[0])
+        raise CaptureDataError(
+            f"the log-probs of the restored tokens differ from the cut's (position {at}: {float(given[at])!r} given, "
+            f"{float(staged[at])!r} staged); pass continuation.restored_logprobs",
+            "prompt",
+        )
+    return TokenIds(generated.array[restored:].copy()), FloatColumn.coerce(
+        logprobs.array[restored:], "generated_logprobs"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -17,14 +18,15 @@ from store.errors import (
     AdmissionTypeError,
     CaptureError,
     DigestValueError,
+    GenerationCutError,
     RolloutFencedError,
     StreamingUnsupportedError,
 )
 from store.log.events import AdmissionBody, EventKind, Span
-from store.projections.fold import TERMINAL_STATES, generated_spans
+from store.projections.fold import TERMINAL_STATES
 from store.store import Store
 from store.wire.columns import TokenIds
-from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
+from store.wire.cut_records import GenerationCutInventory, GenerationCutPrefixAck, GenerationCutReceipt
 from store.wire.digest import compute_chain_hash, hash_token_columns, u64
 from store.wire.records import (
     CaptureAdmission,
@@ -35,6 +37,7 @@ from store.wire.records import (
     StageResult,
     to_json,
 )
+from store.worker import resume
 from store.worker.active_call import (
     ActiveCall,
     build_generation_chunk_record,
@@ -43,7 +46,8 @@ from store.worker.active_call import (
     record_spans,
     token_ids,
 )
-from store.worker.cuts import CutServer, resolve_continuation
+from store.worker.cuts import CutServer, TerminalGate
+from store.worker.resolve import resolve_continuation
 
 log = logging.getLogger("store.capture")
 
@@ -98,10 +102,15 @@ class RolloutTokenCapture:
         generation_cut_staging_keys: Sequence[str] | None = None,
         stream: bool = False,
         weight_version: int | None = None,
+        admitted_at: float | None = None,
     ) -> ActiveCall:
         """Admit a call; a continued call's prefix is resolved from the log when not passed.
 
-        Every refusal is a ``CaptureError`` naming the failed check, and writes nothing.
+        Every refusal is a ``CaptureError`` whose ``code`` names the failed check and whose
+        message says what differed; a refusal writes nothing.  ``admitted_at``: the admission
+        time the orchestrator stamped (and will put in its cut tickets); cut tickets for this
+        call must then carry it.  Without it the call is stamped with this worker's clock
+        (``call.admitted_at``) and tickets are not compared.
         """
         if not isinstance(admission, CaptureAdmission):
             raise AdmissionTypeError(f"begin_call needs a CaptureAdmission, got {type(admission).__name__}")
@@ -114,8 +123,10 @@ class RolloutTokenCapture:
             and all(isinstance(key, str) for key in generation_cut_staging_keys)
         ):
             raise CaptureError(
-                f"generation_cut_staging_keys must be a list of keys, got {generation_cut_staging_keys!r}"
+                f"generation_cut_staging_keys must be a list of keys, got {generation_cut_staging_keys!r}", "keys"
             )
+        if admitted_at is not None and (type(admitted_at) is not float or not math.isfinite(admitted_at)):
+            raise CaptureError(f"admitted_at must be a finite float (seconds since the epoch), got {admitted_at!r}")
         prefix = resolve_prefix(admission, prefix_token_ids)
         version = self._stamp(weight_version)
         self._refuse_finished_call(admission)
@@ -123,10 +134,14 @@ class RolloutTokenCapture:
         restored_spans: list[Span] = []
         if generation_cut is not None:
             if continuation is None:
-                raise CaptureError("generation cut not authorized: the admission carries no generation_cut")
+                raise CaptureError(
+                    "generation cut not authorized: the admission carries no generation_cut", "not_authorized"
+                )
             check_generation_cut(admission, continuation, generation_cut, generation_cut_staging_keys, version)
             check_parent_tokens(admission, prefix, generation_cut)
-            restored_spans = generated_spans(generation_cut.columns.token_mask, generation_cut.weight_version)
+            # The snapshot's digest matches the continuation; the store's chunks must be that very
+            # cut too (the audit reads them), so they are resolved and checked like any continuation.
+            restored_spans = resolve_continuation(self.store, admission, continuation, prefix, version).spans
         elif continuation is not None:
             resolved = resolve_continuation(self.store, admission, continuation, prefix, version)
             keys = continuation.staging_keys if generation_cut_staging_keys is None else generation_cut_staging_keys
@@ -134,9 +149,58 @@ class RolloutTokenCapture:
             # The rebuilt snapshot's chain and cumulative hashes were computed from this very
             # parent chain hash and prefix, so the parent-token check (4.6) holds by construction.
             generation_cut, restored_spans = resolved.snapshot, resolved.spans
-        call = ActiveCall(admission, version, prefix, generation_cut, restored_spans)
-        self.store.record_admission(admission.rollout_id, admission.model_call_id, _admission_body(call))
+        stamped = time.time() if admitted_at is None else admitted_at
+        call = ActiveCall(
+            admission, version, prefix, generation_cut, restored_spans, stamped, checks_tickets=admitted_at is not None
+        )
+        self.store.record_admission(
+            admission.rollout_id, admission.model_call_id, _admission_body(call), recorded_at=stamped
+        )
         return call
+
+    def continue_cut(
+        self,
+        ack: GenerationCutPrefixAck,
+        *,
+        attempt: int | None = None,
+        weight_version: int | None = None,
+        admitted_at: float | None = None,
+        track: bool = True,
+    ) -> ActiveCall:
+        """Admit the replacement of a cut call from its acknowledgement, in one call.
+
+        The replacement is attempt ``ack.attempt_index + 1`` (or ``attempt``) of the rollout, under
+        ``capture_key(rollout, attempt)``; its lineage (parent, prev_len, parent chain hash) and
+        parent tokens are read back from the store, and ``begin_call`` validates the continuation.
+        With ``track`` (the default) the call is tracked with its engine prompt and the call's
+        whole output limit, so the caller decodes from ``call.continuation.engine_prompt_token_ids``
+        for at most ``call.continuation.remaining_output_limit`` tokens and completes it with
+        ``complete_observed``.  Refusals are ``GenerationCutError``s with a ``code``.
+        """
+        admission = resume.replacement_admission(self.store, ack, attempt)
+        call = self.begin_call(admission, weight_version=weight_version, admitted_at=admitted_at)
+        if track:
+            self.track(call)
+        return call
+
+    def continue_latest_cut(
+        self,
+        rollout_id: str,
+        model_call_id: str,
+        *,
+        weight_version: int | None = None,
+        admitted_at: float | None = None,
+        track: bool = True,
+    ) -> ActiveCall:
+        """``continue_cut`` of the newest cut acknowledged for the call in this store
+        (``Store.latest_cut``): the path after a crash lost the receipt.  ``code`` ``no_cut``
+        when no receipt acknowledges a durable prefix of the call."""
+        ack = self.store.latest_cut(rollout_id, model_call_id)
+        if ack is None:
+            raise GenerationCutError(
+                f"no cut receipt acknowledges a durable prefix of {rollout_id}/{model_call_id}", "no_cut"
+            )
+        return self.continue_cut(ack, weight_version=weight_version, admitted_at=admitted_at, track=track)
 
     def _refuse_finished_call(self, admission: CaptureAdmission) -> None:
         """A call captures once: admitting it again after it finished would reopen a settled call."""
@@ -144,7 +208,8 @@ class RolloutTokenCapture:
         if info is not None and info.state in TERMINAL_STATES:
             raise CaptureError(
                 f"call {admission.rollout_id}/{admission.model_call_id} already {info.state}; "
-                "a finished call cannot be admitted again"
+                "a finished call cannot be admitted again",
+                "finished_call",
             )
 
     def _stamp(self, explicit: int | None) -> int:
@@ -200,52 +265,92 @@ class RolloutTokenCapture:
         generated_logprobs: Sequence[float],
         extras: Mapping[str, Any] | None = None,
     ) -> CommitCoords:
-        """Build, claim, stage, then return coordinates; data problems give ``capture_failed``."""
+        """Build, claim, stage, then return coordinates; data problems give ``capture_failed``.
+
+        A continued call may be completed in either shape: the engine's (prompt =
+        ``continuation.engine_prompt_token_ids``, generated = only the tokens decoded after the
+        restore) or the call's natural one (prompt = prefix + carried prompt tokens, generated =
+        the restored tokens, with their staged log-probs, then the new ones); both stage the same
+        record.  Log-probs are stored as float32.  ``capture_failed`` is final for the call: its
+        rollout is refused by ``linearize``/``export`` (``capture_poisoned``) unless a later
+        attempt completes the call.
+        """
         check_active(call)
         with self.cuts.terminal_gate(call) as gate:
-            try:
-                record = self.build_prefix_record(
-                    call,
-                    prompt_token_ids=prompt_token_ids,
-                    generated_token_ids=generated_token_ids,
-                    generated_logprobs=generated_logprobs,
-                    extras=extras,
-                )
-            except (TypeError, ValueError, OverflowError) as exc:
-                call.claim_completion()
-                return self._failed(call, f"building the record failed: {exc}")
-            call.claim_completion()
-            try:
-                result = self.store.stage(
-                    record,
-                    kind=EventKind.CALL_COMPLETED,
-                    spans=self.record_spans(call, record),
-                    completion=gate.completion(),
-                )
-            except Exception as exc:  # the sink failed: poison the capture, still serve the response
-                return self._failed(call, f"staging failed: {type(exc).__name__}: {exc}")
-            if not isinstance(result, StageResult) or not result.ok or result.staging_key is None:
-                error = result.error if isinstance(result, StageResult) else repr(result)
-                log.warning("staging %s was refused: %s", record.staging_key, error)
-                return self._failed(call, f"staging was refused: {error}")
-            coords = CommitCoords(
-                schema_version=record.schema_version,
-                rollout_id=record.rollout_id,
-                model_call_id=record.model_call_id,
-                parent_call_id=record.parent_call_id,
-                prev_len=record.prev_len,
-                delta_len=record.delta_len,
-                cum_len=record.cum_len,
-                weight_version=record.weight_version,
-                disposition="staged",
-                digest=record.digest,
-                extras_digest=record.extras_digest,
-                staging_key=result.staging_key,
-                chain_hash=record.chain_hash,
-                cumulative_hash=record.cumulative_hash,
+            return self._complete(call, gate, prompt_token_ids, generated_token_ids, generated_logprobs, extras)
+
+    def complete_observed(self, call: ActiveCall, *, extras: Mapping[str, Any] | None = None) -> CommitCoords:
+        """Complete a tracked call from what ``observe`` was given: its engine prompt and every
+        token observed since ``track`` (for a continued call, the restored prefix comes first).
+
+        Nothing is passed twice.  An observation error (unaligned or unreadable output, tokens
+        past the output limit) gives ``capture_failed`` coordinates naming it.
+        """
+        check_active(call)
+        if self.cuts.live(call) is None:
+            raise CaptureError(f"{call} is not tracked: complete_observed() completes what track()+observe() saw")
+        with self.cuts.terminal_gate(call) as gate:
+            live = gate.live
+            if live is None or live.observation_error is not None:
+                call.claim_completion()  # raises when another completion won the race
+                reason = "the call is no longer tracked" if live is None else live.observation_error
+                return self._failed(call, f"observing the engine failed: {reason}")
+            generated, logprobs = live.observed()
+            return self._complete(call, gate, live.prompt, generated, logprobs, extras)
+
+    def _complete(
+        self,
+        call: ActiveCall,
+        gate: TerminalGate,
+        prompt_token_ids: Sequence[int],
+        generated_token_ids: Sequence[int],
+        generated_logprobs: Sequence[float],
+        extras: Mapping[str, Any] | None,
+    ) -> CommitCoords:
+        try:
+            record = self.build_prefix_record(
+                call,
+                prompt_token_ids=prompt_token_ids,
+                generated_token_ids=generated_token_ids,
+                generated_logprobs=generated_logprobs,
+                extras=extras,
             )
-            gate.completed(coords, record.generated_token_count)
-            return coords
+            gate.check_limit(record.generated_token_count)
+        except (TypeError, ValueError, OverflowError) as exc:
+            call.claim_completion()
+            return self._failed(call, f"building the record failed: {exc}")
+        call.claim_completion()
+        try:
+            result = self.store.stage(
+                record,
+                kind=EventKind.CALL_COMPLETED,
+                spans=self.record_spans(call, record),
+                completion=gate.completion(),
+            )
+        except Exception as exc:  # the sink failed: poison the capture, still serve the response
+            return self._failed(call, f"staging failed: {type(exc).__name__}: {exc}")
+        if not isinstance(result, StageResult) or not result.ok or result.staging_key is None:
+            error = result.error if isinstance(result, StageResult) else repr(result)
+            log.warning("staging %s was refused: %s", record.staging_key, error)
+            return self._failed(call, f"staging was refused: {error}")
+        coords = CommitCoords(
+            schema_version=record.schema_version,
+            rollout_id=record.rollout_id,
+            model_call_id=record.model_call_id,
+            parent_call_id=record.parent_call_id,
+            prev_len=record.prev_len,
+            delta_len=record.delta_len,
+            cum_len=record.cum_len,
+            weight_version=record.weight_version,
+            disposition="staged",
+            digest=record.digest,
+            extras_digest=record.extras_digest,
+            staging_key=result.staging_key,
+            chain_hash=record.chain_hash,
+            cumulative_hash=record.cumulative_hash,
+        )
+        gate.completed(coords, record.generated_token_count)
+        return coords
 
     def complete_call_from_response(self, call: ActiveCall, payload: Any) -> CommitCoords:
         """Extract prompt, generation and extras with the adapter, then ``complete_call``."""
@@ -307,13 +412,54 @@ class RolloutTokenCapture:
 
     # --- generation cuts (5.3 - 5.8) -----------------------------------------------------------------
 
-    def track(self, call: ActiveCall, *, prompt_token_ids: Sequence[int], effective_output_limit: int | None) -> None:
-        """Register a live call for cuts: its exact engine prompt and resolved output budget."""
+    def track(
+        self,
+        call: ActiveCall,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        effective_output_limit: int | None = None,
+    ) -> None:
+        """Register a live call for cuts: its exact engine prompt and its whole output budget.
+
+        ``effective_output_limit`` is the call's whole output limit (vLLM's resolved
+        ``max_tokens`` for the call as first issued), never what is left of it: for a continued
+        call it is ``call.continuation.effective_output_limit`` (the engine is told
+        ``remaining_output_limit``), and any other value is refused (``code`` ``output_limit``).
+        For a continued call both arguments may be left out: the prompt is the continuation's
+        ``engine_prompt_token_ids`` (anything else is refused, ``code`` ``prompt``) and the limit
+        the continuation's.  No cut acknowledges more generated tokens than the limit: tokens
+        observed past it make the call's next cut fail (``GenerationCutError``).
+        """
         check_active(call)
+        continuation = call.continuation
         limit = effective_output_limit
+        if continuation is not None:
+            if limit is None:
+                limit = continuation.effective_output_limit
+            elif type(limit) is int and limit != continuation.effective_output_limit:
+                remaining = continuation.remaining_output_limit
+                hint = " (that is the remaining limit the engine is told)" if limit == remaining else ""
+                raise CaptureError(
+                    f"track() wants the call's whole output limit, {continuation.effective_output_limit} as its "
+                    f"continuation names it, got {limit}{hint}; the engine decodes at most "
+                    f"continuation.remaining_output_limit = {remaining} more tokens",
+                    "output_limit",
+                )
+            if prompt_token_ids is None:
+                prompt_token_ids = continuation.engine_prompt_token_ids
+            elif token_ids(prompt_token_ids, "prompt_token_ids") != continuation.engine_prompt_token_ids:
+                raise CaptureError(
+                    "a continued call's engine prompt is its prefix plus the restored cut tokens "
+                    f"(continuation.engine_prompt_token_ids, {len(continuation.engine_prompt_token_ids)} tokens); "
+                    f"got {len(prompt_token_ids)} other tokens",
+                    "prompt",
+                )
+        elif prompt_token_ids is None:
+            raise CaptureError("track() needs the call's prompt_token_ids (only a continued call has them already)")
         if limit is not None and type(limit) is int and limit > _U64_MAX:  # acks and completions carry it as a u64
             raise CaptureError(
-                f"effective_output_limit must be at most 2**64-1, got an int of {limit.bit_length()} bits"
+                f"effective_output_limit must be at most 2**64-1, got an int of {limit.bit_length()} bits",
+                "output_limit",
             )
         self.cuts.track(call, token_ids(prompt_token_ids, "prompt_token_ids"), limit)
 
@@ -326,7 +472,13 @@ class RolloutTokenCapture:
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
     ) -> None:
-        """Append newly decoded tokens of a tracked call."""
+        """Append newly decoded tokens of a tracked call (O(new tokens); no store access).
+
+        ``logprobs`` are natural-log probabilities of each token; they are held as float64 here
+        and stored as float32 (binary32, as Gym stores them): keep ``float(numpy.float32(lp))``
+        if you compare with what the store returns.  ``finish_reason`` (``stop`` or ``length``)
+        with the last tokens, or alone, says how the call ended.
+        """
         check_active(call)
         self.cuts.observe(call, token_ids, logprobs, finish_reason, stop_reason)
 
@@ -383,27 +535,46 @@ def check_generation_cut(
     if not isinstance(snapshot, StagedCallBaseSnapshot):
         raise CaptureError(f"generation_cut must be a StagedCallBaseSnapshot, got {type(snapshot).__name__}")
     if staging_keys is None or tuple(staging_keys) != continuation.staging_keys:
-        raise CaptureError("generation_cut_staging_keys do not match the continuation's staging_keys")
+        raise CaptureError(
+            f"generation_cut_staging_keys {None if staging_keys is None else list(staging_keys)} do not match "
+            f"the continuation's staging_keys {list(continuation.staging_keys)}",
+            "keys",
+        )
     if snapshot.rollout_id != continuation.source_capture_key:
-        raise CaptureError("the cut snapshot's rollout_id is not the continuation's source_capture_key")
+        raise CaptureError(
+            f"the cut snapshot's rollout_id {snapshot.rollout_id!r} is not the continuation's "
+            f"source_capture_key {continuation.source_capture_key!r}",
+            "source_call",
+        )
     if snapshot.model_call_id != continuation.source_model_call_id:
-        raise CaptureError("the cut snapshot's model_call_id is not the continuation's source_model_call_id")
-    if snapshot.digest != continuation.digest:
-        raise CaptureError("the cut snapshot's digest does not match the continuation's digest")
-    if (snapshot.parent_call_id, snapshot.prev_len, snapshot.mode) != (
-        admission.parent_call_id,
-        admission.prev_len,
-        admission.mode,
-    ):
-        raise CaptureError("the cut snapshot's lineage (parent, prev_len, mode) does not match the admission")
+        raise CaptureError(
+            f"the cut snapshot's model_call_id {snapshot.model_call_id!r} is not the continuation's "
+            f"source_model_call_id {continuation.source_model_call_id!r}",
+            "source_call",
+        )
+    lineage = (snapshot.parent_call_id, snapshot.prev_len, snapshot.mode)
+    wanted = (admission.parent_call_id, admission.prev_len, admission.mode)
+    if lineage != wanted:
+        raise CaptureError(
+            f"the cut snapshot's lineage (parent, prev_len, mode) {lineage} does not match the admission's {wanted}",
+            "lineage",
+        )
     if snapshot.generated_token_count != continuation.generation_token_count:
         raise CaptureError(
             f"the cut snapshot has {snapshot.generated_token_count} generated tokens, "
-            f"the continuation claims {continuation.generation_token_count}"
+            f"the continuation claims {continuation.generation_token_count}",
+            "token_count",
         )
     if snapshot.weight_version > current_version:
         raise CaptureError(
-            f"the cut's policy version {snapshot.weight_version} is newer than the current version {current_version}"
+            f"the cut's policy version {snapshot.weight_version} is newer than the current version {current_version}",
+            "policy_version",
+        )
+    if snapshot.digest != continuation.digest:
+        raise CaptureError(
+            f"the cut snapshot's digest {snapshot.digest[:16]}... does not match the continuation's digest "
+            f"{continuation.digest[:16]}...",
+            "digest",
         )
 
 
@@ -411,9 +582,15 @@ def check_parent_tokens(admission: CaptureAdmission, prefix: TokenIds, snapshot:
     """Wire-contract 4.6: the durable prefix extends the replacement's exact parent tokens."""
     ids = snapshot.columns.token_ids
     if compute_chain_hash(admission.parent_chain_hash, ids) != snapshot.chain_hash:
-        raise CaptureError("the cut's chain hash does not extend the admission's parent chain hash")
+        raise CaptureError(
+            "the cut's chain hash does not extend the admission's parent chain hash (parent_chain_hash)",
+            "parent_chain",
+        )
     if hash_token_columns(prefix, ids) != snapshot.cumulative_hash:
-        raise CaptureError("the cut's cumulative hash does not cover the replacement's parent tokens")
+        raise CaptureError(
+            f"the cut's cumulative hash does not cover the replacement's parent tokens ({len(prefix)} prefix tokens)",
+            "cumulative_hash",
+        )
 
 
 def _admission_body(call: ActiveCall) -> AdmissionBody:

@@ -1,10 +1,9 @@
-"""Generation cuts: live-call buffers, serving cut requests, periodic flushes, and
-resolving a continuation from the log (wire-contract 5.3 - 5.7)."""
+"""Generation cuts: live-call buffers, serving cut requests and periodic flushes (wire-contract
+5.3 - 5.5, 5.7); resolving a continuation from the log is ``store.worker.resolve``."""
 
 from __future__ import annotations
 
 import array
-import itertools
 import logging
 import threading
 import time
@@ -16,11 +15,17 @@ from typing import Any
 import numpy as np
 
 from store import failpoints
-from store.errors import CaptureError, GenerationCutError, StoreClosedError, StoreError
-from store.log.events import Completion, EventKind, Span
-from store.projections.fold import generated_spans
-from store.queries.reads import StoredChunk, StoredCompletion
+from store.errors import (
+    CaptureDataError,
+    CaptureError,
+    GenerationCutError,
+    StoreClosedError,
+    StoreError,
+)
+from store.log.events import Completion, EventKind
+from store.queries.reads import StoredCompletion
 from store.store import StageEntry, Store
+from store.wire import continuations
 from store.wire.columns import FloatColumn, TokenIds
 from store.wire.cut_records import (
     GenerationCutInventory,
@@ -29,180 +34,16 @@ from store.wire.cut_records import (
     GenerationCutReceipt,
     chunk_staging_key,
 )
-from store.wire.digest import EMPTY_EXTRAS_DIGEST, compute_chain_hash, hash_token_columns, staging_digest_and_columns
+from store.wire.digest import EMPTY_EXTRAS_DIGEST
 from store.wire.records import (
-    CaptureAdmission,
     CommitCoords,
-    GenerationCutContinuation,
-    StagedCallBaseSnapshot,
     StagedCallRecord,
     from_json,
     to_json,
-    trusted_snapshot,
 )
 from store.worker.active_call import ActiveCall, build_generation_chunk_record, build_prefix_record, record_spans
 
 log = logging.getLogger("store.cuts")
-
-
-# --- resolving a continuation from the log (5.6) -----------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResolvedCut:
-    snapshot: StagedCallBaseSnapshot
-    spans: list[Span]
-
-
-def resolve_continuation(
-    store: Store,
-    admission: CaptureAdmission,
-    continuation: GenerationCutContinuation,
-    prefix: TokenIds,
-    current_version: int,
-) -> ResolvedCut:
-    """Fold the staged chunks named by the continuation into the cumulative prefix snapshot."""
-    keys = list(continuation.staging_keys)
-    try:
-        # Each chunk's own digest is not re-hashed: the digest of their concatenation is
-        # checked against the continuation below, and checksums guard the stored bytes.
-        fetched = store.fetch_chunks(keys)
-        if len(fetched) != len(keys) or not fetched:
-            raise GenerationCutError(
-                "cannot resolve the generation cut: the staged chunk count does not match its keys"
-            )
-        check_chunk_identity(store, continuation, fetched)
-    except StoreClosedError:
-        raise
-    except GenerationCutError:
-        raise
-    except StoreError as exc:  # absent, damaged or unreadable: a refused continuation, so the worker regenerates
-        raise GenerationCutError(f"cannot resolve the generation cut: {exc}") from exc
-    chunks = [chunk.snapshot for chunk in fetched]
-    versions = [chunk.weight_version for chunk in chunks]
-    if any(later < earlier for earlier, later in itertools.pairwise(versions)):
-        raise GenerationCutError(f"the cut's chunk policy versions {versions} are not non-decreasing")
-    if versions[-1] > current_version:
-        raise GenerationCutError(
-            f"the cut's policy version {versions[-1]} is newer than the current rollout version {current_version}"
-        )
-    columns = [chunk.columns for chunk in chunks]
-    if any(_carries(c.token_mask) for c in columns[1:]):
-        raise GenerationCutError("only the first chunk of a cut may carry prompt (mask 0.0) tokens")
-    ids = TokenIds.concat([c.token_ids for c in columns])
-    mask = FloatColumn.concat([c.token_mask for c in columns])
-    lps = FloatColumn.concat([c.log_probs for c in columns])
-    fields: dict[str, Any] = {
-        "schema_version": admission.schema_version,
-        "rollout_id": continuation.source_capture_key,
-        "model_call_id": continuation.source_model_call_id,
-        "parent_call_id": admission.parent_call_id,
-        "mode": admission.mode,
-        "prev_len": admission.prev_len,
-        "delta_len": len(ids),
-        "cum_len": admission.prev_len + len(ids),
-        "weight_version": versions[0],
-        "extras_digest": EMPTY_EXTRAS_DIGEST,
-        "chain_hash": compute_chain_hash(admission.parent_chain_hash, ids),
-        "cumulative_hash": hash_token_columns(prefix, ids),
-    }
-    try:
-        digest, packed = staging_digest_and_columns(
-            digest_version=2,
-            extras_digest_version=1,
-            token_ids_delta=ids,
-            token_mask_delta=mask,
-            generation_log_probs_delta=lps,
-            **fields,
-        )
-    except (ValueError, TypeError) as exc:
-        raise GenerationCutError(f"the resolved cut does not form a valid record: {exc}") from exc
-    carry = mask.given_carry()  # known from the chunks' stored masks when they are carry-then-generation
-    generated = len(mask) - carry if carry is not None else int(np.count_nonzero(mask.zero_one_flags()[1]))
-    if generated != continuation.generation_token_count:
-        log.warning(
-            "cut %s: %d generated tokens staged, %d claimed", keys, generated, continuation.generation_token_count
-        )
-        raise GenerationCutError(
-            f"the resolved cut has {generated} generated tokens; the continuation claims "
-            f"{continuation.generation_token_count}"
-        )
-    if digest != continuation.digest:
-        log.warning("cut %s: rebuilt digest %s, continuation digest %s", keys, digest, continuation.digest)
-        raise GenerationCutError("the resolved cut's digest does not match the continuation's digest")
-    snapshot = trusted_snapshot(StagedCallBaseSnapshot, digest, packed, **fields)
-    spans = _restored_spans(fetched)
-    newest = max((version for _, _, version in spans), default=versions[0])
-    if newest > current_version:
-        raise GenerationCutError(
-            f"the cut holds tokens of policy version {newest}, newer than the current rollout version {current_version}"
-        )
-    return ResolvedCut(snapshot, spans)
-
-
-def _carries(mask: FloatColumn) -> bool:
-    """Whether a mask has a carry (0.0) position; a stored carry-then-generation mask says so by its shape."""
-    carry = mask.stored_carry()
-    return bool(carry) if carry is not None else bool(mask.zero_one_flags()[0].any())
-
-
-def check_chunk_identity(store: Store, continuation: GenerationCutContinuation, fetched: Sequence[StoredChunk]) -> None:
-    """Each chunk is a record of the cut call, or of a call it continued (oldest first), and of
-    the kind its place needs: first the cumulative prefix (for a cut that had finished, possibly
-    the terminal record alone), then generation-only chunks.  A digest proves the tokens, not
-    whose they are."""
-    source = (continuation.source_capture_key, continuation.source_model_call_id)
-    lineage = [source]
-    if any(_owner(chunk) != source for chunk in fetched):
-        lineage = _lineage(store, source)
-    position = 0
-    for index, (key, chunk) in enumerate(zip(continuation.staging_keys, fetched, strict=True)):
-        owner = _owner(chunk)
-        if owner not in lineage[position:]:
-            raise GenerationCutError(
-                f"chunk {key!r} is a record of {owner[0]}/{owner[1]}, not of the cut call "
-                f"{source[0]}/{source[1]} or a call it continued, in order"
-            )
-        position = lineage.index(owner, position)
-        expected = {EventKind.CHUNK_STAGED} if index else {EventKind.PREFIX_STAGED}
-        if len(fetched) == 1 and continuation.terminal_finish_reason is not None:
-            expected.add(EventKind.CALL_COMPLETED)  # a finished cut may name the call's terminal record
-        if chunk.kind not in expected:
-            wanted = " or ".join(sorted(kind.value for kind in expected))
-            raise GenerationCutError(f"chunk {key!r} of the cut is a {chunk.kind.value} record, not {wanted}")
-
-
-def _owner(chunk: StoredChunk) -> tuple[str, str]:
-    return chunk.snapshot.rollout_id, chunk.snapshot.model_call_id
-
-
-def _lineage(store: Store, source: tuple[str, str]) -> list[tuple[str, str]]:
-    """The source call and the calls it continued, oldest first (from the calls projection)."""
-    chain = [source]
-    info = store.call(*source)
-    while info is not None and info.continues is not None and info.continues not in chain:
-        chain.append(info.continues)
-        info = store.call(*info.continues)
-    return chain[::-1]
-
-
-def _restored_spans(fetched: Sequence[StoredChunk]) -> list[Span]:
-    """Per-token policy versions of the concatenated chunks, as their events recorded them.
-
-    A record's spans are in its call's delta positions, which are the positions in the
-    concatenation; spans that do not fit their chunk fall back to the chunk's stamp.
-    """
-    spans: list[Span] = []
-    offset = 0
-    for chunk in fetched:
-        snapshot, recorded = chunk.snapshot, chunk.spans
-        end = offset + snapshot.delta_len
-        if recorded and all(offset <= start < stop <= end for start, stop, _ in recorded):
-            spans += recorded
-        else:
-            spans += generated_spans(snapshot.columns.token_mask, snapshot.weight_version, offset)
-        offset = end
-    return spans
 
 
 # --- live calls (5.3) ------------------------------------------------------------------------------
@@ -268,10 +109,33 @@ class LiveCall:
             except (TypeError, OverflowError, ValueError) as exc:
                 self.observation_error = f"unreadable engine output: {exc}"
                 return
+            limit = self.effective_output_limit
+            if limit is not None:
+                total = self.restored_count + len(self.sealed_ids) + len(self.active_ids) + len(new_ids)
+                total += len(self.frozen.ids) if self.frozen is not None else 0
+                if total > limit:
+                    self.observation_error = (
+                        f"{total} generated tokens observed, past the call's output limit {limit} "
+                        "(track() was given the call's whole limit; the engine must stop at it)"
+                    )
+                    return
             self.active_ids.extend(new_ids)
             self.active_logprobs.extend(new_logprobs)
             if finish is not None:
                 self.finish_reason, self.stop_reason = finish, stop
+
+    def observed(self) -> tuple[TokenIds, FloatColumn]:
+        """Every token observed since ``track`` (sealed, frozen, active; not the restored prefix)."""
+        with self.data:
+            parts = [self.sealed_ids, *([self.frozen.ids] if self.frozen is not None else []), self.active_ids]
+            lp_parts = [
+                self.sealed_logprobs,
+                *([self.frozen.logprobs] if self.frozen is not None else []),
+                self.active_logprobs,
+            ]
+            ids = np.concatenate([np.frombuffer(part, np.uint64) for part in parts])
+            lps = np.concatenate([np.frombuffer(part, np.float64) for part in lp_parts])
+        return TokenIds(ids), FloatColumn.coerce(lps, "observed log-probs")
 
     def unstaged(self) -> int:
         with self.data:
@@ -358,10 +222,25 @@ class _CutPlan:
     entry: StageEntry | None
 
 
-class _TerminalGate:
+class TerminalGate:
+    """A call's terminal path, holding its lifecycle lock (``CutServer.terminal_gate``)."""
+
     def __init__(self, server: CutServer, live: LiveCall | None) -> None:
         self._server = server
         self._live = live
+
+    @property
+    def live(self) -> LiveCall | None:
+        return self._live
+
+    def check_limit(self, generated_tokens: int) -> None:
+        """A tracked call's record may not hold more generated tokens than its output limit."""
+        live = self._live
+        if live is None or live.effective_output_limit is None:
+            return
+        refusal = continuations.token_count_within_limit(generated_tokens, live.effective_output_limit)
+        if refusal is not None:
+            raise CaptureDataError(refusal.message, refusal.code)
 
     def completion(self) -> Completion | None:
         """How the tracked call finished, kept with its terminal record (None if untracked)."""
@@ -431,15 +310,15 @@ class CutServer:
         live.observe(ids, logprobs, finish, stop)
 
     @contextmanager
-    def terminal_gate(self, call: ActiveCall) -> Iterator[_TerminalGate]:
+    def terminal_gate(self, call: ActiveCall) -> Iterator[TerminalGate]:
         """Serialise a call's terminal path with any cut or flush of it, then retire it."""
         live = self.live(call)
         if live is None:
-            yield _TerminalGate(self, None)
+            yield TerminalGate(self, None)
             return
         with live.lifecycle:
             try:
-                yield _TerminalGate(self, live)
+                yield TerminalGate(self, live)
             finally:
                 live.terminal = True
                 with self._registry:
@@ -508,6 +387,18 @@ class CutServer:
                 if live is None or live.terminal:
                     acks.append(self._terminal_ack(prefix, inventory.checkpoint_id))
                     continue
+                if live.call.checks_tickets and prefix.admitted_at != live.call.admitted_at:
+                    # The ticket names another admission of this call than the one decoding here.
+                    log.warning(
+                        "cut %s: ticket %s names %s admitted at %r, the live call was admitted at %r",
+                        inventory.checkpoint_id,
+                        prefix.ticket_id,
+                        live.call,
+                        prefix.admitted_at,
+                        live.call.admitted_at,
+                    )
+                    acks.append(GenerationCutPrefixAck(**_identity(prefix), disposition="durable_failure"))
+                    continue
                 plan = self._plan(live, prefix, inventory.checkpoint_id)
                 if plan.entry is not None or plan.ack.disposition == "durable_prefix":
                     plans.append(plan)
@@ -558,7 +449,12 @@ class CutServer:
         if total == 0:
             return _CutPlan(live, GenerationCutPrefixAck(**identity, disposition="durable_failure"), None)
         if live.effective_output_limit is None:
-            raise GenerationCutError(f"{live.call}: its effective output limit is unknown")
+            raise GenerationCutError(f"{live.call}: its effective output limit is unknown", "output_limit")
+        if total > live.effective_output_limit:  # observe() refuses such tokens; a receipt never promises them
+            raise GenerationCutError(
+                f"{live.call}: {total} generated tokens, past its output limit {live.effective_output_limit}",
+                "output_limit",
+            )
         record, entry = self._build(live, checkpoint_id, frozen, generated, logprobs)
         keys = [*live.keys, entry.staging_key] if entry is not None and entry.staging_key else list(live.keys)
         ack = GenerationCutPrefixAck(
