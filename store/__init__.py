@@ -116,6 +116,7 @@ if TYPE_CHECKING:
         GenerationCutReceipt,
         capture_key,
         chunk_staging_key,
+        split_capture_key,
     )
     from store.wire.digest import (
         EMPTY_EXTRAS_DIGEST,
@@ -263,6 +264,7 @@ _MODULES = {
     "assistant_fingerprint": "store.rebuild.terminal",
     "build_staging_delta": "store.wire.digest",
     "capture_key": "store.wire.cut_records",
+    "split_capture_key": "store.wire.cut_records",
     "chunk_staging_key": "store.wire.cut_records",
     "compute_chain_hash": "store.wire.digest",
     "compute_extras_digest": "store.wire.digest",
@@ -395,6 +397,7 @@ __all__ = [
     "assistant_fingerprint",
     "build_staging_delta",
     "capture_key",
+    "split_capture_key",
     "chunk_staging_key",
     "compute_chain_hash",
     "compute_extras_digest",

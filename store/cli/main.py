@@ -31,6 +31,7 @@ COMMANDS = {
     "delete": "store.cli.retention:delete",
     "compact": "store.cli.retention:compact",
     "workers": "store.cli.workers:workers",
+    "receipts": "store.cli.receipts:receipts",
     "ship": "store.cli.ship:ship",
     "serve": "store.cli.serve:serve",
 }

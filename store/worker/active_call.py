@@ -160,7 +160,7 @@ def build_prefix_record(
         ids, mask, lps = columns.token_ids, columns.token_mask, columns.log_probs
     else:
         cut_columns = cut.columns
-        generated, logprobs = _after_restored(call, cut, prompt, generated, logprobs)
+        prompt, generated, logprobs = _after_restored(call, cut, prompt, generated, logprobs)
         ids = TokenIds.concat([cut_columns.token_ids, generated])
         mask = FloatColumn.concat([cut_columns.token_mask, FloatColumn.filled(1.0, len(generated))])
         lps = FloatColumn.concat([cut_columns.log_probs, logprobs])
@@ -183,16 +183,18 @@ def build_prefix_record(
 
 def _after_restored(
     call: ActiveCall, cut: StagedCallBaseSnapshot, prompt: TokenIds, generated: TokenIds, logprobs: FloatColumn
-) -> tuple[TokenIds, FloatColumn]:
-    """The tokens a continued call generated after its restored cut, from either shape of completion.
+) -> tuple[TokenIds, TokenIds, FloatColumn]:
+    """The engine prompt of a continued call and the tokens it generated after its restored cut,
+    from either shape of completion.
 
     The engine's shape: prompt = prefix + the cut's tokens, generated = the new tokens.  The
     natural shape: prompt = prefix + the cut's carried prompt tokens, generated = the restored
     tokens (with the log-probs the cut staged) followed by the new ones.
     """
     cut_ids = cut.columns.token_ids
-    if prompt == TokenIds.concat([call.prefix_token_ids, cut_ids]):
-        return generated, logprobs
+    engine_prompt = TokenIds.concat([call.prefix_token_ids, cut_ids])
+    if prompt == engine_prompt:
+        return prompt, generated, logprobs
     restored = cut.generated_token_count
     carry = len(cut_ids) - restored
     if prompt != TokenIds.concat([call.prefix_token_ids, TokenIds(cut_ids.array[:carry])]):
@@ -218,9 +220,8 @@ def _after_restored(
             f"{float(staged[at])!r} staged); pass continuation.restored_logprobs",
             "prompt",
         )
-    return TokenIds(generated.array[restored:].copy()), FloatColumn.coerce(
-        logprobs.array[restored:], "generated_logprobs"
-    )
+    new_ids = TokenIds(generated.array[restored:].copy())
+    return engine_prompt, new_ids, FloatColumn.coerce(logprobs.array[restored:], "generated_logprobs")
 
 
 def build_generation_chunk_record(

@@ -1,0 +1,75 @@
+"""``receipts``: the generation-cut receipts kept in the log, by checkpoint or by rollout."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from store.cli import exits, output
+from store.cli.opening import STORE_HELP, read_only, shown, store_argument
+
+if TYPE_CHECKING:
+    from store.wire.cut_records import GenerationCutPrefixAck
+
+
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store receipts demo-store/demo.db --rollout run1-r0\n\n"
+    "  staging-store receipts demo-store/demo.db --checkpoint checkpoint-1 --json",
+)
+@store_argument
+@click.option("--checkpoint", "checkpoint_id", help="Only this checkpoint's receipts.")
+@click.option("--rollout", "rollout_id", help="Only acknowledgements of this rollout (bare id or capture key).")
+@click.option("--json", "as_json", is_flag=True, help="Print the receipts as JSON (each as the worker returned it).")
+def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | None, as_json: bool) -> int:
+    """List the cut receipts workers returned, oldest first, one row per acknowledged call.
+
+    What an orchestrator that lost its process needs to continue a cut call: the staging keys,
+    generated-token count, digest and output limit of each durable prefix (a worker continues
+    one with RolloutTokenCapture.continue_latest_cut).  The store is opened read-only.
+    """
+    from store.wire.records import to_json
+
+    with read_only(store) as opened:
+        found = opened.cut_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)
+        where = shown(opened)
+    if as_json:
+        import json
+
+        output.emit_json({"store": where, "receipts": [json.loads(to_json(receipt)) for receipt in found]})
+        return exits.OK
+    rows = [
+        _row(receipt.checkpoint_id, ack)
+        for receipt in found
+        for ack in receipt.prefixes
+        if rollout_id is None or rollout_id in (ack.rollout_id, _capture_key(ack))
+    ]
+    output.show(
+        output.table(
+            f"{len(found)} receipt(s), {len(rows)} acknowledgement(s)",
+            ["checkpoint", "capture key", "call", "disposition", "kind", "tokens", "limit", "finish", "keys"],
+            rows,
+        ),
+        f"store: {where}",
+    )
+    return exits.OK
+
+
+def _capture_key(ack: GenerationCutPrefixAck) -> str:
+    from store.wire.cut_records import capture_key
+
+    return capture_key(ack.rollout_id, ack.attempt_index)
+
+
+def _row(checkpoint_id: str, ack: GenerationCutPrefixAck) -> list[Any]:
+    return [
+        checkpoint_id,
+        _capture_key(ack),
+        ack.model_call_id,
+        ack.disposition,
+        ack.cut_kind or "",
+        "" if ack.prefix_token_count is None else ack.prefix_token_count,
+        "" if ack.effective_output_limit is None else ack.effective_output_limit,
+        ack.terminal_finish_reason or "",
+        len(ack.staging_keys),
+    ]
