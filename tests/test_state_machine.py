@@ -4,8 +4,11 @@ A hypothesis ``RuleBasedStateMachine`` drives one store and one worker capture t
 admissions, decoding, cuts (also two at once over shared calls), periodic flushes,
 completions, failures, crashes (all process state dropped, the store reopened), checkpoints
 that cut every live call just before a crash, restores that continue a cut call as the next
-attempt (sometimes under a newer policy version; a restored call is cut and restored again),
-repeated inventories, and forks.  After every step:
+attempt (sometimes under a newer policy version; a restored call is cut and restored again;
+by Gym's admission, by ``continue_cut`` from the ack, or by ``continue_latest_cut`` from the store
+alone), completions from what was observed (``complete_observed``), an engine that decodes past
+the output limit (no cut may acknowledge it; a restored call's track() refuses the remaining
+limit), repeated inventories, and forks.  After every step:
 
 * every acknowledged key fetches and verifies as *its* record (rollout, call, digest, tokens);
 * the projections equal a replay of the log;
@@ -57,8 +60,10 @@ from store import (
     ActiveCall,
     CallRecord,
     CaptureAdmission,
+    CaptureError,
     CaptureLedgerCommit,
     Coordinator,
+    GenerationCutError,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -322,9 +327,10 @@ class StoreMachine(RuleBasedStateMachine):
                     self.acks[key] = (ack, tokens)
 
     @precondition(has_live)
-    @rule(data=st.data(), tail=st.lists(st.integers(0, 2**32), max_size=3))
-    def complete(self, data: st.DataObject, tail: list[int]) -> None:
-        self.steps["complete"] += 1
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 2**32), max_size=3), observed=st.booleans())
+    def complete(self, data: st.DataObject, tail: list[int], observed: bool) -> None:
+        """Complete with every token again (``complete_call``) or from what was observed."""
+        self.steps["complete_observed" if observed else "complete"] += 1
         model = self._pick(data)
         key = model.key
         del self.live[key]
@@ -334,12 +340,15 @@ class StoreMachine(RuleBasedStateMachine):
         self.capture.observe(model.call, tail, [-(t % 7) / 4 for t in tail], finish_reason="stop")
         live = self.capture.cuts.live(model.call)
         own = [] if live is None else [k for k in live.own_keys if k not in live.acknowledged]
-        coords = self.capture.complete_call(
-            model.call,
-            prompt_token_ids=model.prompt,
-            generated_token_ids=generated,
-            generated_logprobs=[-(t % 7) / 4 for t in generated],
-        )
+        if observed:
+            coords = self.capture.complete_observed(model.call)
+        else:
+            coords = self.capture.complete_call(
+                model.call,
+                prompt_token_ids=model.prompt,
+                generated_token_ids=generated,
+                generated_logprobs=[-(t % 7) / 4 for t in generated],
+            )
         assert coords.disposition == "staged", coords
         assert coords.staging_key == f"{key[0]}/{key[1]}"
         assert coords.weight_version == model.oldest_version
@@ -374,6 +383,28 @@ class StoreMachine(RuleBasedStateMachine):
         assert coords.disposition == "capture_failed"
         info = self.store.call(*key)
         assert info is not None and info.state == "failed"
+
+    @precondition(has_live)
+    @rule(data=st.data(), extra=st.integers(1, 3))
+    def overrun(self, data: st.DataObject, extra: int) -> None:
+        """The engine decodes past the call's output limit: no cut may acknowledge those tokens
+        (it is refused and writes nothing), and the call can only fail."""
+        self.steps["overrun"] += 1
+        model = self._pick(data)
+        key = model.key
+        room = OUTPUT_LIMIT - len(model.restored) - len(model.generated)
+        tokens = [7] * (room + extra)
+        self.capture.observe(model.call, tokens, [-0.5] * len(tokens))
+        before = self.store.replay().events
+        with pytest.raises(GenerationCutError, match="past the call's output limit"):
+            self.capture.serve_generation_cut(self._inventory([key], False, reverse=False))
+        assert self.store.replay().events == before, "a refused cut wrote to the log"
+        del self.live[key]
+        self.acks.pop(key, None)
+        coords = self.capture.complete_observed(model.call)
+        assert coords.disposition == "capture_failed", coords
+        self.failed.add(model.rollout_id)
+        self.unread_endings = self.unexported_endings = self.unviewed_endings = True
 
     @precondition(has_live)
     @rule()
@@ -416,10 +447,11 @@ class StoreMachine(RuleBasedStateMachine):
         self._open()
 
     @precondition(lambda self: bool(self.lost))
-    @rule(data=st.data(), new_policy=st.booleans())
-    def restore(self, data: st.DataObject, new_policy: bool) -> None:
-        """Continue a lost call's acknowledged cut as the next attempt, resolved from the log."""
-        self.steps["restore"] += 1
+    @rule(data=st.data(), new_policy=st.booleans(), via=st.sampled_from(["admission", "continue_cut", "latest_cut"]))
+    def restore(self, data: st.DataObject, new_policy: bool, via: str) -> None:
+        """Continue a lost call's acknowledged cut as the next attempt, resolved from the log: by
+        the admission Gym sends, from the ack (``continue_cut``), or from the store alone."""
+        self.steps[f"restore_{via}"] += 1
         self.version += new_policy
         lost = self.lost.pop(data.draw(st.integers(0, len(self.lost) - 1)))
         source, ack = lost.model, lost.ack
@@ -427,20 +459,37 @@ class StoreMachine(RuleBasedStateMachine):
         assert ack.effective_output_limit is not None
         continuation = continuation_from(ack)
         attempt = source.attempt + 1
-        admission = CaptureAdmission(
-            rollout_id=capture_key(source.rollout_id, attempt),
-            model_call_id=source.model_call_id,
-            mode="text",
-            generation_cut=continuation,
-        )
-        call = self.capture.begin_call(admission)
+        if via == "admission":
+            admission = CaptureAdmission(
+                rollout_id=capture_key(source.rollout_id, attempt),
+                model_call_id=source.model_call_id,
+                mode="text",
+                generation_cut=continuation,
+            )
+            call = self.capture.begin_call(admission)
+            resumed = call.continuation
+            assert resumed is not None
+            if resumed.remaining_output_limit != OUTPUT_LIMIT:  # the limit rule: never the remaining one
+                with pytest.raises(CaptureError) as refused:
+                    self.capture.track(call, effective_output_limit=resumed.remaining_output_limit)
+                assert refused.value.code == "output_limit"
+            self.capture.track(
+                call, prompt_token_ids=resumed.engine_prompt_token_ids, effective_output_limit=OUTPUT_LIMIT
+            )
+        elif via == "continue_cut":
+            call = self.capture.continue_cut(ack)  # tracked with the continuation's prompt and limit
+        else:
+            latest = self.store.latest_cut(source.rollout_id, source.model_call_id)
+            assert latest is not None and latest.attempt_index == source.attempt
+            assert (latest.prefix_digest, latest.staging_keys) == (ack.prefix_digest, ack.staging_keys)
+            call = self.capture.continue_latest_cut(source.rollout_id, source.model_call_id)
+        assert (call.capture_key, call.model_call_id) == (capture_key(source.rollout_id, attempt), source.model_call_id)
         resumed = call.continuation
         assert resumed is not None
         assert list(resumed.engine_prompt_token_ids) == lost.tokens, "the restore must give back the cut's tokens"
         restored = lost.tokens[len(source.prompt) - len(source.restored) :]
         assert list(resumed.restored_token_ids) == restored
         carry = lost.tokens[: len(lost.tokens) - len(restored)]
-        self.capture.track(call, prompt_token_ids=resumed.engine_prompt_token_ids, effective_output_limit=OUTPUT_LIMIT)
         model = LiveModel(
             source.rollout_id,
             attempt,
