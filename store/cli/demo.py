@@ -21,9 +21,18 @@ DEFAULT_PATH = "demo-store/demo.db"
 @click.option(
     "--tokens", type=click.IntRange(8, 4096), default=96, show_default=True, help="Tokens each call generates."
 )
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True, help="Toy engine seed.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True, help="Engine seed.")
+@click.option(
+    "--engine",
+    "engine_kind",
+    type=click.Choice(["toy", "transformers"]),
+    default="toy",
+    show_default=True,
+    help="toy: seeded token ids, nothing to install; transformers: a tiny random-weight Llama "
+    "decoding with a KV cache (needs torch and the [transformers] extra; nothing is downloaded).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, as_json: bool) -> int:
+def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, engine_kind: str, as_json: bool) -> int:
     """Cut, crash, restore, continue, audit: the whole story on a SQLite file, in seconds.
 
     Worker processes serve 3-turn rollouts from a deterministic toy engine (seeded token ids
@@ -37,7 +46,9 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, as_json
     from store.demo.run import run_demo
 
     with _steps() as step:
-        summary = run_demo(path, rollouts=rollouts, workers=workers, tokens=tokens, seed=seed, step=step)
+        summary = run_demo(
+            path, rollouts=rollouts, workers=workers, tokens=tokens, seed=seed, step=step, engine_kind=engine_kind
+        )
     shaped = {
         "ok": summary.ok,
         "run": summary.run,
