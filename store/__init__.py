@@ -150,6 +150,7 @@ if TYPE_CHECKING:
     )
     from store.worker.active_call import ActiveCall, Continuation
     from store.worker.capture import CaptureAdapter, RolloutTokenCapture
+    from store.worker.engine import DecodingPlan, LiveEngine, decode, decoding_plan, generate
 
 # Each public name and the module that defines it (a test checks this against ``__all__``).
 _MODULES = {
@@ -265,6 +266,11 @@ _MODULES = {
     "build_staging_delta": "store.wire.digest",
     "capture_key": "store.wire.cut_records",
     "split_capture_key": "store.wire.cut_records",
+    "LiveEngine": "store.worker.engine",
+    "DecodingPlan": "store.worker.engine",
+    "decode": "store.worker.engine",
+    "decoding_plan": "store.worker.engine",
+    "generate": "store.worker.engine",
     "chunk_staging_key": "store.wire.cut_records",
     "compute_chain_hash": "store.wire.digest",
     "compute_extras_digest": "store.wire.digest",
@@ -398,6 +404,11 @@ __all__ = [
     "build_staging_delta",
     "capture_key",
     "split_capture_key",
+    "LiveEngine",
+    "DecodingPlan",
+    "decode",
+    "decoding_plan",
+    "generate",
     "chunk_staging_key",
     "compute_chain_hash",
     "compute_extras_digest",

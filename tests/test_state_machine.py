@@ -151,6 +151,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.receipts: list[tuple[GenerationCutInventory, bytes]] = []
         self.counter = 0
         self.forks = 0
+        self.overran = False
         self.last_seq = 0
         self.finished: dict[str, tuple[list[int], int]] = {}  # rollout -> (its tokens, oldest version)
         self.finished_calls: dict[str, tuple[int, int]] = {}  # rollout -> (attempt, generated tokens)
@@ -384,12 +385,13 @@ class StoreMachine(RuleBasedStateMachine):
         info = self.store.call(*key)
         assert info is not None and info.state == "failed"
 
-    @precondition(has_live)
+    @precondition(lambda self: bool(self.live) and not self.overran)  # once a sequence: it ends a call
     @rule(data=st.data(), extra=st.integers(1, 3))
     def overrun(self, data: st.DataObject, extra: int) -> None:
         """The engine decodes past the call's output limit: no cut may acknowledge those tokens
         (it is refused and writes nothing), and the call can only fail."""
         self.steps["overrun"] += 1
+        self.overran = True
         model = self._pick(data)
         key = model.key
         room = OUTPUT_LIMIT - len(model.restored) - len(model.generated)

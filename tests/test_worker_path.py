@@ -493,3 +493,62 @@ def test_float64_log_probs_are_stored_as_float32(rollout: Rollout) -> None:
     assert coords.staging_key is not None
     [record] = rollout.store.fetch([coords.staging_key])
     assert record.generation_log_probs_delta[-1] == float(np.float32(-0.1)) != -0.1
+
+
+# --- the engine loop (store.worker.engine) ----------------------------------------------------------
+
+
+class Scripted:
+    """A ``LiveEngine`` that decodes a fixed list of tokens (the loop's bookkeeping, not an engine's)."""
+
+    def __init__(self, tokens: list[int], stop: tuple[int, ...] = ()) -> None:
+        self.tokens, self.stop = tokens, stop
+        self.prompts: list[list[int]] = []
+        self._ids: list[int] = []
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.stop
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self._ids
+
+    @property
+    def generated_logprobs(self) -> list[float]:
+        return [-0.5] * len(self._ids)
+
+    def prefill(self, prompt_token_ids: Any) -> None:
+        self.prompts.append(list(prompt_token_ids))
+        self._ids = []
+
+    def step(self) -> tuple[int, float]:
+        token = self.tokens[len(self._ids)]
+        self._ids.append(token)
+        return token, -0.5
+
+
+def test_the_engine_loop_stops_at_a_stop_token_or_the_limit_and_continues_a_cut(rollout: Rollout) -> None:
+    from store import LiveEngine, decode, generate
+
+    capture = rollout.capture
+    assert isinstance(Scripted([]), LiveEngine)
+    stopped = capture.begin_call(rollout.admission(2))
+    capture.track(stopped, prompt_token_ids=[*rollout.history, *user(2)], effective_output_limit=LIMIT)
+    engine = Scripted([5, 6, 2, 7], stop=(2,))
+    coords = decode(capture, stopped, engine)
+    assert coords.delta_len == len(user(2)) + 3 and engine.prompts == [[*rollout.history, *user(2)]]
+    assert rollout.store.completion("r", "c2").finish_reason == "stop"  # type: ignore[union-attr]
+    # A call cut mid-way and continued: the engine is prefilled with prompt + restored tokens only.
+    other = capture.begin_call(rollout.admission(3))
+    capture.track(other, prompt_token_ids=[*rollout.history, *user(3)], effective_output_limit=5)
+    engine = Scripted(list(range(10, 20)))
+    assert generate(capture, other, engine, max_tokens=3) is None
+    ack = cut(capture, "ck", ticket(other))
+    resumed = capture.continue_cut(ack)
+    engine = Scripted(list(range(13, 20)))
+    coords = decode(capture, resumed, engine)
+    assert engine.prompts == [[*rollout.history, *user(3), 10, 11, 12]]
+    assert engine.generated_token_ids == [13, 14]  # the limit of 5, less the 3 restored
+    assert rollout.store.completion("r-a1", "c3").finish_reason == "length"  # type: ignore[union-attr]
+    assert rollout.store.audit().ok
