@@ -30,6 +30,8 @@ bench: $(STAMP)
 	$(PY) tools/bench_retention.py
 	$(PY) tools/bench_coordinator.py
 	$(PY) tools/bench_http.py
+	@if $(PY) -c "import torch, transformers" 2>/dev/null; then $(PY) tools/bench_engine.py; \
+	else echo "tools/bench_engine.py skipped: it needs torch and the [transformers] extra"; fi
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

@@ -343,3 +343,21 @@ def test_non_editable_install_in_a_clean_venv_opens_a_store(tmp_path: Path) -> N
     console_script = bin_dir / "staging-store"
     assert console_script.is_file(), "the staging-store console script was not installed"
     _run([str(console_script), "--help"], timeout=60, cwd=elsewhere, env=env)
+
+
+def test_no_requirement_names_torch_so_none_can_pull_a_cuda_build() -> None:
+    """torch is installed on purpose (``pip install torch==2.13.0``, the CPU wheel) before the
+    ``[transformers]`` extra: a bare ``torch`` requirement anywhere would resolve to a CUDA build."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    names = {re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+    assert "torch" not in names, requirements
+    assert "transformers" in project["optional-dependencies"]["transformers"][0]
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert "pip install --quiet --disable-pip-version-check torch==2.13.0" in ci
+    assert ci.index("torch==2.13.0") < ci.index("'.[test,transformers]'") < ci.index("make test\n")

@@ -543,8 +543,11 @@ class WriteTransaction:
         held: set[str] = set()
         for start in range(0, len(wanted), KEYS_PER_STATEMENT):
             part = wanted[start : start + KEYS_PER_STATEMENT]
-            values = {f"k{index}": key for index, key in enumerate(part)}
-            held.update(row[0] for row in self._execute(self._sql.held_keys(len(part)), values).fetchall())
+            # Asked in statements of 1, 2, 4, ... keys (the last key repeated): a call cut again and
+            # again names one key more each time, and compiling a statement per count cost ~2 ms a cut.
+            size = 1 << (len(part) - 1).bit_length()
+            values = {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
+            held.update(row[0] for row in self._execute(self._sql.held_keys(size), values).fetchall())
         return [key for key in wanted if key not in held]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallState | None:

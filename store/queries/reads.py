@@ -354,14 +354,10 @@ class Reader:
         )
 
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
-        receipts, events = schema.cut_receipts, schema.events
-        query = (
-            sa.select(receipts.c.event_seq.label("receipt_event_seq"), *events.c)
-            .select_from(receipts.outerjoin(events, receipts.c.event_seq == events.c.seq))
-            .where(receipts.c.checkpoint_id == checkpoint_id, receipts.c.inventory_digest == inventory_digest)
-        )
         with self.connection("reading a cut receipt") as connection:
-            row = connection.execute(query).first()
+            row = connection.execute(
+                _CUT_RECEIPT, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest}
+            ).first()
         if row is None:
             return None
         where = f"the stored receipt of checkpoint {checkpoint_id!r}"
@@ -400,6 +396,18 @@ class Reader:
                     )
                 found.append(bytes(body.receipt))
         return found
+
+
+# Built once: every cut reads its receipt twice (cached answer, then what was stored), and
+# building the statement each time cost more than running it.
+_CUT_RECEIPT = (
+    sa.select(schema.cut_receipts.c.event_seq.label("receipt_event_seq"), *schema.events.c)
+    .select_from(schema.cut_receipts.outerjoin(schema.events, schema.cut_receipts.c.event_seq == schema.events.c.seq))
+    .where(
+        schema.cut_receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
+        schema.cut_receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
+    )
+)
 
 
 def _stored_chunk(
