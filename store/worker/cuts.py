@@ -475,20 +475,37 @@ class CutServer:
         self, live: LiveCall, owner: str, frozen: _Frozen, generated: TokenIds, logprobs: FloatColumn
     ) -> tuple[StagedCallRecord, StageEntry | None]:
         """The cumulative record (whose digest a restore checks) and what to stage for the chunk."""
-        call = live.call
         cumulative = build_prefix_record(
-            call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
+            live.call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
         )
+        return cumulative, self._chunk(live, owner, frozen, generated, cumulative)
+
+    def _chunk(
+        self,
+        live: LiveCall,
+        owner: str,
+        frozen: _Frozen,
+        generated: TokenIds,
+        cumulative: StagedCallRecord | None,
+        logprobs: FloatColumn | None = None,
+    ) -> StageEntry | None:
+        """What to stage for the frozen chunk: the cumulative record first, then generation-only
+        chunks (a flush needs no cumulative record after the first: only a cut acknowledges one)."""
+        call = live.call
         if not len(frozen.ids):
-            return cumulative, None
+            return None
         key = chunk_staging_key(owner, call.capture_key, call.model_call_id, len(live.own_keys))
         if not live.keys:
-            spans = record_spans(call, cumulative)
-            return cumulative, StageEntry(cumulative, key, EventKind.PREFIX_STAGED, spans)
+            if cumulative is None:
+                assert logprobs is not None
+                cumulative = build_prefix_record(
+                    call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
+                )
+            return StageEntry(cumulative, key, EventKind.PREFIX_STAGED, record_spans(call, cumulative))
         chunk = build_generation_chunk_record(call, generated_token_ids=frozen.ids, generated_logprobs=frozen.logprobs)
         start = live.carry + len(generated) - len(frozen.ids)
         spans = [(start, start + len(frozen.ids), call.weight_version)]
-        return cumulative, StageEntry(chunk, key, EventKind.CHUNK_STAGED, spans)
+        return StageEntry(chunk, key, EventKind.CHUNK_STAGED, spans)
 
     def _terminal_ack(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> GenerationCutPrefixAck:
         identity = _identity(prefix)
@@ -536,7 +553,7 @@ class CutServer:
         frozen = live.freeze(owner)
         try:
             generated, logprobs = live.cumulative()
-            _, entry = self._build(live, owner, frozen, generated, logprobs)
+            entry = self._chunk(live, owner, frozen, generated, None, logprobs)
             if entry is None:
                 live.rollback()
                 return False
