@@ -10,7 +10,7 @@ from store import (
     Store,
 )
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 POLICY_VERSION = 3
 OUTPUT_LIMIT = 64
 

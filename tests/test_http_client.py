@@ -17,6 +17,7 @@ from http_helpers import TOKEN, inventory, start_live_calls  # noqa: E402
 from test_ledger import Conversation  # noqa: E402
 
 from store import (  # noqa: E402
+    ConfigurationError,
     ControlClient,
     ControlRequestError,
     InvalidRecordError,
@@ -151,3 +152,12 @@ def test_client_reports_an_unreachable_worker() -> None:
     with pytest.raises(ControlRequestError) as raised:
         client.manifest("r0")
     assert (raised.value.status, raised.value.code) == (0, "unreachable")
+
+
+@pytest.mark.parametrize("token", ["tökén-0123456789abcdef", "s3cret token", "tab\there", "line\nbreak"])
+def test_client_refuses_a_token_no_header_can_carry_before_sending(token: str) -> None:
+    sent: list[httpx.Request] = []
+    transport = httpx.MockTransport(lambda request: sent.append(request) or httpx.Response(200))
+    with pytest.raises(ConfigurationError, match="visible ASCII"):
+        ControlClient("http://w:1", token, http_client=httpx.Client(transport=transport))
+    assert sent == []

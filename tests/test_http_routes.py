@@ -4,6 +4,7 @@ ledger routes, the bearer token, size limits, and every refusal a 4xx JSON that 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,13 +26,15 @@ from store import (
     RolloutRemoval,
     RolloutTokenCapture,
     Store,
+    control_app,
     control_router,
     from_json,
     open_store,
     to_json,
 )
+from store.http.routes import DEFAULT_MAX_CUT_PREFIXES
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 CUT = "/ng-control/v1/generation-cut"
 LEDGER = "/training-token-capture/control/rollouts"
 
@@ -43,11 +46,20 @@ def client_for(
     root: str = "",
     checkpoint_open: Callable[[], bool] | None = None,
     max_body_bytes: int = 1 << 20,
+    max_cut_prefixes: int = DEFAULT_MAX_CUT_PREFIXES,
 ) -> TestClient:
     capture = capture or RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
     app = FastAPI()
     app.include_router(
-        control_router(capture, store, TOKEN, root=root, checkpoint_open=checkpoint_open, max_body_bytes=max_body_bytes)
+        control_router(
+            capture,
+            store,
+            TOKEN,
+            root=root,
+            checkpoint_open=checkpoint_open,
+            max_body_bytes=max_body_bytes,
+            max_cut_prefixes=max_cut_prefixes,
+        )
     )
     return TestClient(app, raise_server_exceptions=False)
 
@@ -227,7 +239,20 @@ def test_a_store_failure_is_a_json_error_not_a_traceback(store_url: str) -> None
 
 @pytest.mark.parametrize(
     "options",
-    [{"token": ""}, {"token": "  "}, {"token": None}, {"root": "worker"}, {"root": "/w/"}, {"max_body_bytes": 0}],
+    [
+        {"token": ""},
+        {"token": "  "},
+        {"token": None},
+        {"token": "short"},  # guessable: under 16 characters
+        {"token": "s3cret-tökén-0123456789"},  # no HTTP header can carry it: every client would get 401
+        {"token": "s3cret token 0123456789"},
+        {"root": "worker"},
+        {"root": "/w/"},
+        {"max_body_bytes": 0},
+        {"body_timeout": 0},
+        {"body_timeout": float("inf")},
+        {"max_cut_prefixes": 0},
+    ],
 )
 def test_control_router_refuses_bad_configuration(store: Store, options: dict[str, Any]) -> None:
     capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
@@ -237,3 +262,67 @@ def test_control_router_refuses_bad_configuration(store: Store, options: dict[st
         control_router(capture, store, token, **arguments)
     with pytest.raises(ConfigurationError):
         control_router(store, store, TOKEN)  # type: ignore[arg-type]
+
+
+# --- hostile bodies (issue 22) ------------------------------------------------------------------
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    capture = start_live_calls(store, 1, 4)
+    deep = b"[" * 1000 + b"]" * 1000
+    nested_field = b'{"checkpoint_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with client_for(store, capture) as client, writes_nothing(store):
+        for body in (deep, nested_field, b'{"a":' * 3000 + b"1" + b"}" * 3000):
+            detail = _refused(client.post(CUT, content=body, headers=AUTH), 400, "malformed_json")["detail"]
+            assert "nested too deeply" in detail
+        _refused(client.post(f"{LEDGER}/retire", content=deep, headers=AUTH), 400, "malformed_json")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a refusal logs no traceback"
+    capture.close()
+
+
+def test_post_routes_refuse_a_body_that_is_not_declared_json(store: Store) -> None:
+    capture = start_live_calls(store, 1, 4)
+    body = to_json(inventory(1))
+    bearer = {"Authorization": AUTH["Authorization"]}
+    with client_for(store, capture) as client, writes_nothing(store):
+        for content_type in (None, "text/plain", "application/x-www-form-urlencoded", "application/jsonx", "json"):
+            headers = bearer if content_type is None else {**bearer, "Content-Type": content_type}
+            _refused(client.post(CUT, content=body, headers=headers), 415, "unsupported_media_type")
+            ids = b'{"rollout_ids": ["h0"]}'
+            _refused(client.post(f"{LEDGER}/retire", content=ids, headers=headers), 415, "unsupported_media_type")
+        # The token is checked first: a stranger learns nothing about the routes' bodies.
+        _refused(client.post(CUT, content=body, headers={"Content-Type": "text/plain"}), 401, "unauthorized")
+    with client_for(store, capture) as client:
+        charset = {**bearer, "Content-Type": "Application/JSON; charset=utf-8"}
+        assert client.post(CUT, content=body, headers=charset).status_code == 200
+    capture.close()
+
+
+def test_an_inventory_naming_more_calls_than_the_cap_is_413_and_writes_nothing(store: Store) -> None:
+    capture = start_live_calls(store, 4, 4)
+    with client_for(store, capture, max_cut_prefixes=3) as client:
+        with writes_nothing(store):
+            body = _refused(client.post(CUT, content=to_json(inventory(4)), headers=AUTH), 413, "too_many_prefixes")
+            assert "4 calls" in body["detail"] and "at most 3" in body["detail"]
+        assert client.post(CUT, content=to_json(inventory(3)), headers=AUTH).status_code == 200
+    capture.close()
+    assert DEFAULT_MAX_CUT_PREFIXES == 4096
+
+
+def test_control_app_publishes_its_openapi_document(store: Store) -> None:
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
+    with TestClient(control_app(capture, store, TOKEN)) as client:
+        response = client.get("/openapi.json")  # no token: the document describes routes, it holds no data
+    assert response.status_code == 200
+    document = response.json()
+    assert set(document["paths"]) == {CUT, f"{LEDGER}/{{rollout_id}}/manifest", f"{LEDGER}/retire", f"{LEDGER}/delete"}
+    cut = document["paths"][CUT]["post"]
+    schema = cut["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["required"] == ["checkpoint_id", "server_name", "active_prefixes", "inventory_digest"]
+    assert schema["properties"]["active_prefixes"]["items"]["required"][0] == "ticket_id"  # inlined, no $ref
+    assert "$ref" not in json.dumps(document)
+    assert {"200", "401", "413", "415", "422"} <= set(cut["responses"])
+    receipt = cut["responses"]["200"]["content"]["application/json"]["schema"]
+    assert "prefixes" in receipt["properties"]
+    retire = document["paths"][f"{LEDGER}/retire"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert retire["required"] == ["rollout_ids"] and retire["additionalProperties"] is False

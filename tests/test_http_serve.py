@@ -25,7 +25,7 @@ from store import ControlClient, GenerationCutReceipt, RolloutRemoval, from_json
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 CUT = "/ng-control/v1/generation-cut"
 CALLS, TOKENS = 4, 8
 
@@ -96,6 +96,7 @@ def test_cut_over_loopback_survives_a_worker_kill_and_serve_replays_it(store_url
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     serve = [sys.executable, "-c", "import sys; from store.cli import main; sys.exit(main())"]
     serve += ["serve", store_url, "--token-file", str(token_file), "--port", "0"]
     with _process(serve, "serving ") as (proc, line):

@@ -36,7 +36,7 @@ LIVE_CALLS = 64
 LIVE_TOKENS = 4096
 PROMPT_TOKENS = 256
 TARGET_RATIO = 1.5
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"
 
 
 def start_calls(capture: RolloutTokenCapture, tag: str, rng: np.random.Generator) -> GenerationCutInventory:
@@ -84,7 +84,9 @@ def main() -> int:
         while not server.started:
             time.sleep(0.01)
         base = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        http = httpx.Client(base_url=base, timeout=300, headers={"Authorization": f"Bearer {TOKEN}"})
+        http = httpx.Client(
+            base_url=base, timeout=300, headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        )
 
         def direct(inventory: GenerationCutInventory) -> float:
             start = time.perf_counter()

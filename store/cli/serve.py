@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import resource
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 from types import FrameType
@@ -15,18 +19,21 @@ from store.cli import exits
 from store.cli.opening import STORE_HELP, shown, store_argument, writable
 
 _EXTRA = "the serve command needs the [http] extra: pip install 'staging-store[http]'"
+_SPARE_FDS = 64  # the store's files, the thread pool's connections, logging: beyond the client connections
 
 
 @click.command(
     epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store serve demo-store/demo.db --token-file token.txt\n\n"
-    "  staging-store serve postgresql://user@db/store --token-file /run/secrets/ng --host 0.0.0.0 --port 8700",
+    "  staging-store serve postgresql://user@db/store --token-file /run/secrets/ng --host 0.0.0.0 --port 8700 "
+    "--tls-certfile cert.pem --tls-keyfile key.pem",
 )
 @store_argument
 @click.option(
     "--token-file",
     required=True,
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
-    help="File holding the bearer token every request must carry (surrounding whitespace ignored).",
+    help="File holding the bearer token every request must carry (surrounding whitespace ignored; at least 16 "
+    "visible ASCII characters; the file must not be readable by other users).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -36,12 +43,52 @@ _EXTRA = "the serve command needs the [http] extra: pip install 'staging-store[h
     type=click.IntRange(0, 65535),
     help="Port to listen on (0: any free port; the one chosen is printed).",
 )
-def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
+@click.option("--tls-certfile", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Serve HTTPS.")
+@click.option("--tls-keyfile", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="The cert's key.")
+@click.option(
+    "--allow-plain-http",
+    is_flag=True,
+    help="Serve plain HTTP on a non-loopback address (the token then crosses the network in clear text).",
+)
+@click.option(
+    "--max-connections",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1, 65536),
+    help="Connections held at once; a newcomer past it is answered 503 and closed.",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="Seconds a request's line and headers may take (from its first byte, or the connection); then 408.",
+)
+@click.option(
+    "--body-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="Seconds a request's body may take after its headers; then 408.",
+)
+def serve(
+    store: str | None,
+    token_file: Path,
+    host: str,
+    port: int,
+    tls_certfile: Path | None,
+    tls_keyfile: Path | None,
+    allow_plain_http: bool,
+    max_connections: int,
+    header_timeout: float,
+    body_timeout: float,
+) -> int:
     """Serve the worker control routes over HTTP until interrupted.
 
     POST /ng-control/v1/generation-cut, and GET .../rollouts/{id}/manifest, POST
-    .../rollouts/retire and .../rollouts/delete under /training-token-capture/control.
-    Prints one line with the address once listening; Ctrl-C or SIGTERM stops it (exit 0).
+    .../rollouts/retire and .../rollouts/delete under /training-token-capture/control;
+    the routes' OpenAPI document is GET /openapi.json.  Prints one line with the address once
+    listening; Ctrl-C or SIGTERM stops it (exit 0).
     """
     try:
         import uvicorn  # noqa: F401  (the extra's server; checked here for a one-line error)
@@ -53,6 +100,9 @@ def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
     from store.worker.capture import RolloutTokenCapture
 
     token = _token(token_file)
+    tls = _tls(tls_certfile, tls_keyfile)
+    _check_exposure(host, tls is not None, allow_plain_http)
+    _check_fd_limit(max_connections)
 
     def no_admissions() -> int:
         raise CaptureError("the standalone control server admits no calls")
@@ -62,9 +112,15 @@ def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
         try:
             listener = _listen(host, port)
             bound_host, bound_port = listener.getsockname()[:2]
-            app = control_app(capture, opened, token)
-            server = _server(app)
-            sys.stdout.write(f"serving {shown(opened)} on http://{bound_host}:{bound_port}\n")
+            app = control_app(capture, opened, token, body_timeout=body_timeout)
+            limits = {
+                "max_connections": max_connections,
+                "header_timeout": header_timeout,
+                "body_timeout": body_timeout,
+            }
+            server = _server(app, tls, limits)
+            scheme = "http" if tls is None else "https"
+            sys.stdout.write(f"serving {shown(opened)} on {scheme}://{bound_host}:{bound_port}\n")
             sys.stdout.flush()
             server.run(sockets=[listener])
         finally:
@@ -72,10 +128,13 @@ def serve(store: str | None, token_file: Path, host: str, port: int) -> int:
     return exits.INTERRUPTED if signal.SIGINT in server.stopped_by else exits.OK
 
 
-def _server(app: Any) -> Any:
-    """uvicorn's server, stopping gracefully on SIGTERM/SIGINT without re-raising the signal
-    afterwards (uvicorn would, so the command could not close the store and exit with its code)."""
+def _server(app: Any, tls: tuple[str, str] | None, limits: dict[str, Any]) -> Any:
+    """uvicorn's server with ``GuardedH11Protocol``'s bounds, stopping gracefully on SIGTERM/SIGINT
+    without re-raising the signal afterwards (uvicorn would, so the command could not close the
+    store and exit with its code)."""
     import uvicorn
+
+    from store.http.serving import GuardedH11Protocol
 
     class Server(uvicorn.Server):
         def __init__(self, config: uvicorn.Config) -> None:
@@ -88,10 +147,28 @@ def _server(app: Any) -> Any:
                 self.force_exit = True  # a second Ctrl-C skips the graceful wait
             self.should_exit = True
 
-    return Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    config = uvicorn.Config(
+        app,
+        http=GuardedH11Protocol.configure(**limits),
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
+        timeout_graceful_shutdown=int(limits["body_timeout"]) + 5,  # a stop never waits on a trickling peer
+    )
+    return Server(config)
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"staging-store: warning: {message}\n")
+    sys.stderr.flush()
 
 
 def _token(path: Path) -> str:
+    from store.errors import ConfigurationError
+    from store.http.tokens import server_token
+
+    _check_token_file_mode(path)
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -100,7 +177,76 @@ def _token(path: Path) -> str:
         raise exits.CommandError(f"the token file {path} is empty", exits.USAGE)
     if any(ch.isspace() for ch in token):
         raise exits.CommandError(f"the token in {path} holds whitespace; a bearer token is one word", exits.USAGE)
-    return token
+    try:
+        return server_token(token)
+    except ConfigurationError as exc:
+        raise exits.CommandError(f"the token in {path} cannot be used: {exc}", exits.USAGE) from exc
+
+
+def _check_token_file_mode(path: Path) -> None:
+    """Refused when other users can read it or anyone but its owner can write it (as ssh does
+    for a private key); a group-readable file is a warning (a secrets volume is often 0640)."""
+    if os.name != "posix":
+        return
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError as exc:
+        raise exits.CommandError(f"cannot read the token file {path}: {exc}", exits.USAGE) from exc
+    if mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
+        raise exits.CommandError(
+            f"the token file {path} is open to other users (mode {mode:04o}); chmod 600 {path}", exits.USAGE
+        )
+    if mode & stat.S_IRGRP:
+        _warn(f"the token file {path} is readable by its group (mode {mode:04o}); chmod 600 keeps it to you")
+
+
+def _tls(certfile: Path | None, keyfile: Path | None) -> tuple[str, str] | None:
+    if (certfile is None) != (keyfile is None):
+        raise exits.CommandError("--tls-certfile and --tls-keyfile go together", exits.USAGE)
+    if certfile is None or keyfile is None:
+        return None
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise exits.CommandError(
+            f"cannot use the TLS certificate {certfile} and key {keyfile}: {exc}", exits.USAGE
+        ) from exc
+    return str(certfile), str(keyfile)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to any interface
+
+
+def _check_exposure(host: str, tls: bool, allow_plain_http: bool) -> None:
+    """Plain HTTP beyond loopback sends the token in clear text: refused unless asked for."""
+    if tls or _is_loopback(host):
+        return
+    if not allow_plain_http:
+        raise exits.CommandError(
+            f"{host} is not a loopback address: serve HTTPS (--tls-certfile, --tls-keyfile) or pass "
+            "--allow-plain-http to send the token in clear text",
+            exits.USAGE,
+        )
+    _warn(f"serving plain HTTP on {host}: the bearer token crosses the network in clear text")
+
+
+def _check_fd_limit(max_connections: int) -> None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + _SPARE_FDS
+    if soft != resource.RLIM_INFINITY and needed > soft:
+        raise exits.CommandError(
+            f"--max-connections {max_connections} needs about {needed} file descriptors and the limit is {soft}: "
+            "lower --max-connections or raise the limit (ulimit -n)",
+            exits.USAGE,
+        )
 
 
 def _listen(host: str, port: int) -> socket.socket:

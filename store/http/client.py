@@ -20,6 +20,7 @@ import msgspec
 from store import arguments
 from store.errors import ConfigurationError, ControlRequestError, InvalidRecordError, RolloutFencedError
 from store.http.paths import CUT_PATH, LEDGER_PREFIX
+from store.http.tokens import header_token
 from store.retention.ids import MAX_IDS
 from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
 from store.wire.records import RolloutManifest, RolloutRemoval, from_json, to_json
@@ -40,11 +41,11 @@ class ControlClient:
     ) -> None:
         """``http_client``: an ``httpx.Client`` (or an ``httpx2.Client``: starlette's TestClient
         builds on that fork once it is installed) to send through (a test client, a shared pool);
-        it stays open when this client closes."""
+        it stays open when this client closes.  ``token`` must be visible ASCII (a header carries
+        nothing else): ``ConfigurationError`` otherwise."""
         if not isinstance(base_url, str) or not base_url:
             raise ConfigurationError("base_url must be a non-empty URL")
-        if not isinstance(token, str) or not token.strip():
-            raise ConfigurationError("token must be a non-empty string")
+        header_token(token)  # a token no header can carry is refused here, not on the first call
         clients, self._errors = _http_kinds()
         if http_client is not None and not isinstance(http_client, clients):
             raise ConfigurationError(

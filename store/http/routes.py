@@ -2,9 +2,10 @@
 
 ``control_router(capture, store, token)`` mounts on any FastAPI app (vLLM's OpenAI server
 is one).  Every answer is JSON: a refusal is a 4xx ``{"code", "detail"}`` and is decided
-before anything is written; the store's blocking calls run on the thread pool so the event
-loop keeps serving.  Bodies are read as bytes under a size cap and decoded with the store's
-own msgspec records, so the wire stays the contract's, not a pydantic re-model of it.
+before anything is written; bodies are decoded and the store's blocking calls run on the
+thread pool, so the event loop keeps serving.  Bodies are read as bytes under a size and a
+time cap and decoded with the store's own msgspec records, so the wire stays the contract's,
+not a pydantic re-model of it (``store.http.openapi`` describes them to FastAPI).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -28,30 +28,36 @@ from store.errors import (
     StoreClosedError,
     StoreError,
 )
+from store.http import openapi
+from store.http.bodies import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    JSON_MEDIA_TYPE,
+    PlainBody,
+    Refusal,
+    decode_body,
+    one_line,
+    read_body,
+    require_json,
+)
 from store.http.paths import CUT_PATH, LEDGER_PREFIX
+from store.http.tokens import server_token
 from store.retention.ids import MAX_IDS
 from store.store import Store
 from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
-from store.wire.records import RolloutManifest, RolloutRemoval, from_json, to_json
+from store.wire.records import RolloutManifest, RolloutRemoval, to_json
 from store.worker.capture import RolloutTokenCapture
 
 log = logging.getLogger("store.http")
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # an inventory of thousands of calls fits; a runaway body does not
-_JSON = "application/json"
+# The calls one inventory may name.  A worker holds at most a few hundred running calls
+# (vLLM's max_num_seqs) plus its queue; each entry costs ~0.7 ms to cut and ~0.4 KB of receipt,
+# so 4,096 entries bound one request to seconds and ~2 MB of answer.
+DEFAULT_MAX_CUT_PREFIXES = 4096
+OPENAPI_PATH = "/openapi.json"
 
 
-class _Refusal(Exception):
-    """A request refused before any write: its status, code and a one-line detail."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.code = code
-        self.detail = detail
-
-
-class _RolloutIds(msgspec.Struct, forbid_unknown_fields=True):
+class _RolloutIds(PlainBody, forbid_unknown_fields=True):
     rollout_ids: list[str]
 
 
@@ -63,25 +69,30 @@ def control_router(
     root: str = "",
     checkpoint_open: Callable[[], bool] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    max_cut_prefixes: int = DEFAULT_MAX_CUT_PREFIXES,
 ) -> APIRouter:
     """The generation-cut route under ``{root}`` and the ledger routes under ``{root}/training-token-capture/control``.
 
-    ``token`` is the bearer token every request must carry; ``checkpoint_open`` (optional)
-    says whether a checkpoint is open, which refuses retire and delete with 409.
+    ``token`` is the bearer token every request must carry (visible ASCII, at least 16
+    characters); ``checkpoint_open`` (optional) says whether a checkpoint is open, which
+    refuses retire and delete with 409.  A body over ``max_body_bytes`` is 413, one that takes
+    longer than ``body_timeout`` seconds to arrive is 408, an inventory naming more than
+    ``max_cut_prefixes`` calls is 413.
     """
     if not isinstance(capture, RolloutTokenCapture):
         raise ConfigurationError(f"capture must be a RolloutTokenCapture, got {type(capture).__name__}")
     if not isinstance(store, Store):
         raise ConfigurationError(f"store must be a store.Store, got {type(store).__name__}")
-    if not isinstance(token, str) or not token.strip():
-        raise ConfigurationError("token must be a non-empty string")
+    expected = server_token(token).encode("ascii")
     if not isinstance(root, str) or (root and (not root.startswith("/") or root.endswith("/"))):
         raise ConfigurationError(f"root must be empty or a path like '/worker' (no trailing '/'), got {root!r}")
     if checkpoint_open is not None and not callable(checkpoint_open):
         raise ConfigurationError("checkpoint_open must be callable")
-    if type(max_body_bytes) is not int or max_body_bytes < 1:
-        raise ConfigurationError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
-    expected = token.encode()
+    _positive_int("max_body_bytes", max_body_bytes)
+    _positive_int("max_cut_prefixes", max_cut_prefixes)
+    if type(body_timeout) not in (int, float) or not 0 < body_timeout < float("inf"):
+        raise ConfigurationError(f"body_timeout must be a positive number of seconds, got {body_timeout!r}")
     ledger = store.ledger()
     router = APIRouter()
 
@@ -90,20 +101,25 @@ def control_router(
             try:
                 _authorize(request, expected)
                 body = await handler(request)
-            except _Refusal as refusal:
+            except Refusal as refusal:
                 return _error(refusal.status, refusal.code, refusal.detail)
             except Exception as exc:  # never a traceback to the caller; the log keeps it
                 status, code = _classify(exc)
                 if status >= 500:
                     log.exception("control route %s failed", request.url.path)
-                return _error(status, code, _one_line(exc))
-            return Response(content=body, media_type=_JSON)
+                return _error(status, code, one_line(exc))
+            return Response(content=body, media_type=JSON_MEDIA_TYPE)
 
         endpoint.__name__ = handler.__name__
         return endpoint
 
+    async def json_body(request: Request) -> bytes:
+        require_json(request)
+        return await read_body(request, max_body_bytes, float(body_timeout))
+
     async def generation_cut(request: Request) -> bytes:
-        inventory = _decode(await _body(request, max_body_bytes), GenerationCutInventory)
+        body = await json_body(request)
+        inventory = await decode_body(body, GenerationCutInventory, max_prefixes=max_cut_prefixes)
         receipt: GenerationCutReceipt = await run_in_threadpool(capture.serve_generation_cut, inventory)
         return to_json(receipt)
 
@@ -114,12 +130,12 @@ def control_router(
 
     def removal(method: Callable[[list[str]], RolloutRemoval]) -> Callable[[Request], Awaitable[bytes]]:
         async def remove(request: Request) -> bytes:
-            ids = _decode(await _body(request, max_body_bytes), _RolloutIds).rollout_ids
+            ids = (await decode_body(await json_body(request), _RolloutIds)).rollout_ids
             if not 1 <= len(ids) <= MAX_IDS:
-                raise _Refusal(422, "invalid_request", f"rollout_ids must name 1..{MAX_IDS} ids, got {len(ids)}")
+                raise Refusal(422, "invalid_request", f"rollout_ids must name 1..{MAX_IDS} ids, got {len(ids)}")
             # Checked after the body so a malformed request is named as such, and before any write.
             if checkpoint_open is not None and await run_in_threadpool(checkpoint_open):
-                raise _Refusal(409, "checkpoint_open", "a checkpoint is open; retry once it has committed")
+                raise Refusal(409, "checkpoint_open", "a checkpoint is open; retry once it has committed")
             result: RolloutRemoval = await run_in_threadpool(method, ids)
             return to_json(result)
 
@@ -127,10 +143,27 @@ def control_router(
         return remove
 
     ledger_root = f"{root}{LEDGER_PREFIX}"
-    router.add_api_route(f"{root}{CUT_PATH}", guarded(generation_cut), methods=["POST"])
-    router.add_api_route(f"{ledger_root}/rollouts/{{rollout_id}}/manifest", guarded(manifest), methods=["GET"])
-    router.add_api_route(f"{ledger_root}/rollouts/retire", guarded(removal(ledger.retire)), methods=["POST"])
-    router.add_api_route(f"{ledger_root}/rollouts/delete", guarded(removal(ledger.delete)), methods=["POST"])
+    router.add_api_route(
+        f"{root}{CUT_PATH}",
+        guarded(generation_cut),
+        methods=["POST"],
+        openapi_extra=openapi.request_body(GenerationCutInventory),
+        responses=openapi.responses(GenerationCutReceipt, 400, 401, 408, 409, 413, 415, 422, 503),
+    )
+    router.add_api_route(
+        f"{ledger_root}/rollouts/{{rollout_id}}/manifest",
+        guarded(manifest),
+        methods=["GET"],
+        responses=openapi.responses(RolloutManifest, 400, 401, 410, 503),
+    )
+    for action, method in (("retire", ledger.retire), ("delete", ledger.delete)):
+        router.add_api_route(
+            f"{ledger_root}/rollouts/{action}",
+            guarded(removal(method)),
+            methods=["POST"],
+            openapi_extra=openapi.request_body(_RolloutIds),
+            responses=openapi.responses(RolloutRemoval, 400, 401, 408, 409, 413, 415, 422, 503),
+        )
     return router
 
 
@@ -141,13 +174,29 @@ def control_app(
     *,
     checkpoint_open: Callable[[], bool] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    max_cut_prefixes: int = DEFAULT_MAX_CUT_PREFIXES,
 ) -> FastAPI:
-    """A standalone app with only the control routes (``staging-store serve``); no docs pages."""
-    app = FastAPI(title="staging-store control", docs_url=None, redoc_url=None, openapi_url=None)
+    """A standalone app with only the control routes (``staging-store serve``) and their OpenAPI
+    document at ``/openapi.json`` (no auth: it describes the routes, it holds no data); no docs pages."""
+    app = FastAPI(title="staging-store control", docs_url=None, redoc_url=None, openapi_url=OPENAPI_PATH)
     app.include_router(
-        control_router(capture, store, token, checkpoint_open=checkpoint_open, max_body_bytes=max_body_bytes)
+        control_router(
+            capture,
+            store,
+            token,
+            checkpoint_open=checkpoint_open,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
+            max_cut_prefixes=max_cut_prefixes,
+        )
     )
     return app
+
+
+def _positive_int(name: str, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
 
 
 def _authorize(request: Request, expected: bytes) -> None:
@@ -156,43 +205,7 @@ def _authorize(request: Request, expected: bytes) -> None:
     scheme, _, given = header.partition(" ")
     ok = hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected)
     if scheme.lower() != "bearer" or not ok:
-        raise _Refusal(401, "unauthorized", "a valid bearer token is required")
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit`` (never read whole first)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise _Refusal(400, "invalid_request", "Content-Length is not a number")
-        if int(declared) > limit:
-            raise _Refusal(413, "body_too_large", f"the body is {declared} bytes; at most {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _Refusal(413, "body_too_large", f"the body passes {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _decode(body: bytes, record_type: type[Any]) -> Any:
-    if not body:
-        raise _Refusal(400, "invalid_request", "the request needs a JSON body")
-    try:
-        msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise _Refusal(400, "malformed_json", f"the body is not JSON: {exc}") from exc
-    if record_type is _RolloutIds:
-        try:
-            return msgspec.json.decode(body, type=_RolloutIds)
-        except msgspec.ValidationError as exc:
-            raise _Refusal(422, "invalid_request", str(exc)) from exc
-    try:
-        return from_json(body, record_type)
-    except InvalidRecordError as exc:
-        raise _Refusal(422, "invalid_request", _one_line(exc)) from exc
+        raise Refusal(401, "unauthorized", "a valid bearer token is required")
 
 
 def _classify(exc: Exception) -> tuple[int, str]:
@@ -215,10 +228,6 @@ def _classify(exc: Exception) -> tuple[int, str]:
 
 
 def _error(status: int, code: str, detail: str) -> Response:
-    return Response(content=msgspec.json.encode({"code": code, "detail": detail}), status_code=status, media_type=_JSON)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = (str(exc) or type(exc).__name__).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    return first if len(first) <= 400 else first[:397] + "..."
+    return Response(
+        content=msgspec.json.encode({"code": code, "detail": detail}), status_code=status, media_type=JSON_MEDIA_TYPE
+    )

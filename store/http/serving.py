@@ -1,0 +1,131 @@
+"""uvicorn's HTTP/1.1 protocol with the bounds ``staging-store serve`` promises a hostile peer.
+
+uvicorn on its own bounds a header's size (h11's 16 KiB) and the idle time between two
+requests (``timeout_keep_alive``), but not the connections it holds, nor the time a peer may
+take to send its headers or its body: a peer that connects and says nothing, or sends a byte
+every few seconds, holds a file descriptor forever.  ``GuardedH11Protocol`` adds:
+
+* a connection cap: past ``max_connections`` open connections a newcomer is answered
+  ``503 too_many_connections`` and closed at once (the process never runs out of fds);
+* a header deadline: a request's line and headers must all arrive within ``header_timeout``
+  seconds of its first byte (or of the connection, for a silent peer), else ``408`` and close;
+* a body deadline: the body must arrive within ``body_timeout`` seconds of the headers; the
+  route answers ``408 body_timeout`` itself, and a body still trickling in after any answer is
+  cut off at the deadline.
+
+The deadlines are absolute: bytes that trickle in do not extend them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+import msgspec
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_HEADER_TIMEOUT = 10.0
+LINGER = 1.0  # past the route's own body deadline, so its 408 goes out before the connection is cut
+
+
+def refusal_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
+    """A whole HTTP/1.1 error response that closes the connection, written before h11 has a request."""
+    body = msgspec.json.encode({"code": code, "detail": detail})
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """``H11Protocol`` with a connection cap and header and body deadlines (set by ``configure``)."""
+
+    max_connections = DEFAULT_MAX_CONNECTIONS
+    header_timeout = DEFAULT_HEADER_TIMEOUT
+    body_timeout = 30.0
+    refused_connections = 0  # counted across the process, for tests and the soak
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: str | None = None  # "headers" or "body" while a deadline is armed
+        self._refused = False
+
+    @classmethod
+    def configure(cls, *, max_connections: int, header_timeout: float, body_timeout: float) -> type[GuardedH11Protocol]:
+        """A subclass with these bounds (uvicorn takes a protocol class, not an instance)."""
+        return type(
+            "GuardedH11Protocol",
+            (cls,),
+            {"max_connections": max_connections, "header_timeout": header_timeout, "body_timeout": body_timeout},
+        )
+
+    # --- the connection cap -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            self._refused = True
+            self.transport = transport
+            type(self).refused_connections += 1
+            detail = f"the server holds its limit of {self.max_connections} connections; retry shortly"
+            transport.write(refusal_bytes(503, "Service Unavailable", "too_many_connections", detail))
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._arm("headers", self.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    # --- the deadlines ----------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Arm the deadline the request's state calls for; the app has the whole request once the peer is done."""
+        if self.transport.is_closing():
+            self._disarm()
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            if self._phase != "headers" and self.timeout_keep_alive_task is None:
+                self._arm("headers", self.header_timeout)  # bytes of a next request: its own header deadline
+        elif state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._arm("body", self.body_timeout + LINGER)
+        else:
+            self._disarm()
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._disarm()
+        self._phase = phase
+        self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = None
+        self._phase = None
+
+    def _expired(self) -> None:
+        phase, self._deadline, self._phase = self._phase, None, None
+        if self.transport.is_closing():
+            return
+        if phase == "headers" and self.conn.our_state is h11.IDLE:
+            detail = f"the request's headers did not arrive within {self.header_timeout:g} s"
+            self.transport.write(refusal_bytes(408, "Request Timeout", "header_timeout", detail))
+        self.transport.close()

@@ -1,0 +1,286 @@
+"""Hostile peers against a real ``staging-store serve`` process over real sockets (issue 22):
+silent and half-sent connections, a trickled body, a connection flood past the cap, hostile
+bodies; the server's fds, threads and memory are read from ``/proc`` before and after.
+
+The server runs with small bounds (1 s header deadline, 1.5 s body deadline, 24 connections)
+so the whole module takes seconds; ``tools/soak_hostile.py`` runs the same peers longer,
+with the default bounds, and drives schemathesis against the published OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from hostile_helpers import Resources, closed_by_peer, resources, settle, wait_all_closed  # noqa: E402
+from http_helpers import TOKEN, inventory  # noqa: E402
+
+from store import open_store, to_json  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+CUT = "/ng-control/v1/generation-cut"
+MANIFEST = "/training-token-capture/control/rollouts/r0/manifest"
+HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS = 1.0, 1.5, 24
+SLACK = 1.5  # scheduling on a shared 2-core machine
+
+
+class Served:
+    """The server process, its address and its stderr (read on a thread so it never blocks)."""
+
+    def __init__(self, proc: subprocess.Popen[str], base: str) -> None:
+        self.proc = proc
+        self.base = base
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        self.address = (host, int(port))
+        self.stderr: list[str] = []
+        assert proc.stderr is not None
+        stream = proc.stderr
+        self._reader = threading.Thread(target=lambda: self.stderr.extend(stream), daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(self.address, timeout=10)
+
+    def get(self, path: str = MANIFEST, headers: dict[str, str] | None = None) -> Any:
+        with httpx.Client(base_url=self.base, timeout=10) as http:
+            return http.get(path, headers=AUTH if headers is None else headers)
+
+    def post(self, path: str, content: bytes, headers: dict[str, str] | None = None) -> Any:
+        with httpx.Client(base_url=self.base, timeout=10) as http:
+            return http.post(path, content=content, headers=AUTH if headers is None else headers)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    where = tmp_path_factory.mktemp("hostile-http")
+    store = str(where / "store.db")
+    open_store(store).close()
+    token = where / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    command = [sys.executable, "-c", "import sys; from store.cli import main; sys.exit(main())", "serve", store]
+    command += ["--token-file", str(token), "--port", "0", "--max-connections", str(MAX_CONNECTIONS)]
+    command += ["--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if not line.startswith("serving "):
+            proc.kill()
+            pytest.fail(f"serve did not start ({line!r}): {proc.communicate(timeout=30)[1]}")
+        server = Served(proc, line.rsplit(" ", 1)[1])
+        assert server.get().status_code == 200  # warm: the thread pool and the store's connections exist
+        yield server
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def baseline(served: Served) -> Iterator[Resources]:
+    """The server's resources before a test; after it, every connection it held is gone again."""
+    before = settle(served.pid, resources(served.pid), timeout=0)
+    yield before
+    after = settle(served.pid, before, timeout=HEADER_TIMEOUT + BODY_TIMEOUT + 2 * SLACK)
+    assert after.fds <= before.fds + 2, f"fds leaked: before {before}, after {after}"
+    assert after.threads <= before.threads + 2, f"threads leaked: before {before}, after {after}"
+    assert not [line for line in served.stderr if "Traceback" in line], "".join(served.stderr)
+
+
+def test_silent_half_sent_and_trickling_headers_are_closed_at_the_header_deadline(
+    served: Served, baseline: Resources
+) -> None:
+    silent = [served.connect() for _ in range(6)]
+    half = [served.connect() for _ in range(6)]
+    for sock in half:
+        sock.sendall(b"POST /ng-control/v1/generation-cut HTTP/1.1\r\nHost: x\r\n")
+    trickling = [served.connect() for _ in range(6)]
+    stop = threading.Event()
+
+    def trickle() -> None:  # a header byte every 0.2 s: each byte would restart a naive idle timer
+        while not stop.wait(0.2):
+            for sock in trickling:
+                with contextlib.suppress(OSError):
+                    sock.send(b"x")
+
+    for sock in trickling:
+        sock.sendall(b"GET / HTTP/1.1\r\nX-Slow: ")
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    everyone = silent + half + trickling
+    try:
+        closed, last = wait_all_closed(everyone, HEADER_TIMEOUT + 2 * SLACK)
+    finally:
+        stop.set()
+        feeder.join()
+        for sock in everyone:
+            sock.close()
+    assert closed == len(everyone), f"{len(everyone) - closed} connections still open after {last:.1f} s"
+    assert last <= HEADER_TIMEOUT + 2 * SLACK
+
+
+def test_the_header_deadline_answers_408_json(served: Served, baseline: Resources) -> None:
+    with served.connect() as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n")
+        gone, answer = closed_by_peer(sock, HEADER_TIMEOUT + 2 * SLACK)
+    assert gone and answer.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["code"] == "header_timeout"
+
+
+def test_a_trickled_body_is_answered_408_and_cut_off(served: Served, baseline: Resources) -> None:
+    head = f"POST {CUT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head += "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    with served.connect() as sock:
+        sock.sendall(head.encode() + b'{"checkpoint_id": "')
+        start = time.monotonic()
+        stop = threading.Event()
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                try:
+                    sock.send(b"a")
+                except OSError:
+                    return
+
+        feeder = threading.Thread(target=trickle, daemon=True)
+        feeder.start()
+        try:
+            gone, answer = closed_by_peer(sock, BODY_TIMEOUT + 3 * SLACK)
+        finally:
+            stop.set()
+            feeder.join()
+        took = time.monotonic() - start
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["code"] == "body_timeout"
+    assert gone and took <= BODY_TIMEOUT + 3 * SLACK, f"still open after {took:.1f} s"
+
+
+def test_past_the_connection_cap_newcomers_get_503_and_the_server_recovers(served: Served, baseline: Resources) -> None:
+    held = [served.connect() for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # each accepted by the server
+        flood = [served.connect() for _ in range(3 * MAX_CONNECTIONS)]
+        answers = []
+        for sock in flood:
+            _gone, answer = closed_by_peer(sock, 5)
+            answers.append(answer)
+            sock.close()
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in a]
+        assert len(refused) == len(flood), answers[:3]
+        during = served.get()
+        assert during.status_code == 503 and during.json()["code"] == "too_many_connections"
+        peak = resources(served.pid)
+        assert peak.fds <= baseline.fds + MAX_CONNECTIONS + 4, f"the cap did not hold: {peak} vs {baseline}"
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_for_ok(served, HEADER_TIMEOUT + SLACK)
+
+
+def test_an_idle_flood_clears_itself_without_the_flooder_closing(served: Served, baseline: Resources) -> None:
+    held = [served.connect() for _ in range(MAX_CONNECTIONS)]  # never closed by this side until the end
+    try:
+        time.sleep(0.2)
+        assert served.get().status_code == 503
+        assert wait_for_ok(served, HEADER_TIMEOUT + 2 * SLACK), "the idle connections still hold the cap"
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def wait_for_ok(served: Served, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if served.get().status_code == 200:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_hostile_bodies_over_the_wire_are_4xx(served: Served, baseline: Resources) -> None:
+    deep = served.post(CUT, b"[" * 100_000 + b"]" * 100_000)
+    assert (deep.status_code, deep.json()["code"]) == (400, "malformed_json")
+    form = served.post(CUT, b"a=1", {**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415
+    many = served.post(CUT, to_json(inventory(4097)))
+    assert (many.status_code, many.json()["code"]) == (413, "too_many_prefixes")
+    huge = served.post(CUT, b" " * (8 * 1024 * 1024 + 1))
+    assert (huge.status_code, huge.json()["code"]) == (413, "body_too_large")
+    # h11 buffers at most 16 KiB of a head still incomplete: a head longer than one read is refused.
+    with served.connect() as sock:
+        with contextlib.suppress(OSError):  # refused mid-send: the server closed it already
+            sock.sendall(b"GET / HTTP/1.1\r\nX-Big: " + b"x" * 1_000_000)
+        gone, answer = closed_by_peer(sock, 5)
+    assert gone and (answer == b"" or answer.startswith(b"HTTP/1.1 400 ")), answer[:100]
+    with served.connect() as sock:  # a Content-Length no client library would send
+        sock.sendall(f"POST {CUT} HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{{}}".encode())
+        gone, answer = closed_by_peer(sock, 5)
+    assert gone and answer.startswith(b"HTTP/1.1 400 "), answer[:100]
+    assert served.get("/openapi.json").status_code == 200
+    assert served.get().status_code == 200
+
+
+def test_a_slow_decode_does_not_stall_other_requests(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding runs on the thread pool: while one body takes a second to decode, another
+    request is answered at once (on the event loop it would wait for the decode)."""
+    import uvicorn
+
+    from store import RolloutTokenCapture, control_app
+    from store.http import bodies
+
+    real = bodies.decode
+
+    def slow(body: bytes, record_type: Any, max_prefixes: int | None = None) -> Any:
+        if b"checkpoint_id" in body:
+            time.sleep(1.0)  # stands in for a large inventory's parse and validation
+        return real(body, record_type, max_prefixes)
+
+    monkeypatch.setattr(bodies, "decode", slow)
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    server = uvicorn.Server(uvicorn.Config(control_app(capture, store, TOKEN), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with httpx.Client(base_url=base, timeout=10) as slow_client, httpx.Client(base_url=base, timeout=10) as other:
+            cut = threading.Thread(target=lambda: slow_client.post(CUT, content=to_json(inventory(1)), headers=AUTH))
+            cut.start()
+            time.sleep(0.2)  # the cut's body is being decoded
+            start = time.monotonic()
+            assert other.get(MANIFEST, headers=AUTH).status_code == 200
+            waited = time.monotonic() - start
+            cut.join()
+        assert waited < 0.5, f"a manifest waited {waited:.2f} s behind a decode"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        capture.close()
