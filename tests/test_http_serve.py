@@ -112,3 +112,42 @@ def test_cut_over_loopback_survives_a_worker_kill_and_serve_replays_it(store_url
             assert store.replay().events == before  # the replay wrote nothing
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_serve_over_tls_and_a_silent_handshake_is_dropped_at_the_header_deadline(tmp_path: Path) -> None:
+    """HTTPS with a self-signed certificate (made with the openssl command); a peer that
+    connects and never starts its handshake is dropped at the header deadline."""
+    import shutil
+    import socket
+    import ssl
+    import time
+
+    from hostile_helpers import closed_by_peer
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    make = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+    make += ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)]
+    subprocess.run(make, check=True, capture_output=True)
+    store = str(tmp_path / "s.db")
+    open_store(store).close()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    serve = [sys.executable, "-c", "import sys; from store.cli import main; sys.exit(main())", "serve", store]
+    serve += ["--token-file", str(token_file), "--port", "0", "--host", "127.0.0.1", "--header-timeout", "1"]
+    serve += ["--tls-certfile", str(cert), "--tls-keyfile", str(key)]
+    with _process(serve, "serving ") as (proc, line):
+        base = line.rsplit(" ", 1)[1]
+        assert base.startswith("https://127.0.0.1:")
+        with httpx.Client(base_url=base, timeout=30, verify=ssl.create_default_context(cafile=cert)) as http:
+            response = http.get("/training-token-capture/control/rollouts/r0/manifest", headers=AUTH)
+            assert response.status_code == 200, response.text
+        host, port = base.removeprefix("https://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as silent:
+            start = time.monotonic()
+            gone, _ = closed_by_peer(silent, 10)
+            assert gone and time.monotonic() - start < 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

@@ -141,6 +141,22 @@ def _server(app: Any, tls: tuple[str, str] | None, limits: dict[str, Any]) -> An
             super().__init__(config)
             self.stopped_by: list[int] = []
 
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            """With TLS, a handshake gets the header deadline too (asyncio's default is 60 s, and a
+            peer still in its handshake is not yet a connection the cap counts)."""
+            if self.config.ssl is None:
+                return await super().startup(sockets)
+            import asyncio
+            import functools
+
+            loop = asyncio.get_running_loop()
+            handshake = functools.partial(loop.create_server, ssl_handshake_timeout=limits["header_timeout"])
+            loop.create_server = handshake  # type: ignore[method-assign]
+            try:
+                await super().startup(sockets)
+            finally:
+                del loop.create_server  # the instance attribute goes; the method is back
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             self.stopped_by.append(sig)
             if self.should_exit and sig == signal.SIGINT:
