@@ -1,6 +1,8 @@
 """``WorkerClient``: a policy worker process's end of the checkpoint socket (wire-contract 8).
 
-The worker registers with its pid and adopts the coordinator's state; from then on it
+The worker checks that the socket is served by its own user (``SO_PEERCRED``: another user
+squatting the path would otherwise block the real coordinator and receive this worker's
+reports), registers with its pid and adopts the coordinator's state; from then on it
 admits calls only while admission is open, refuses retired attempts, reports what it
 holds, claims restored cuts, and says goodbye before it stops.  If the coordinator goes
 away the worker cannot take part in a checkpoint any more, so it shuts itself down (SIGTERM).
@@ -13,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +81,13 @@ class WorkerClient:
         except OSError as exc:
             sock.close()
             raise CoordinatorUnavailableError(f"cannot reach the checkpoint coordinator at {path!r}: {exc}") from exc
+        owner = _listener_uid(sock)
+        if owner is not None and owner != os.getuid():  # another user squats the path: tell it nothing
+            sock.close()
+            raise CoordinatorUnavailableError(
+                f"the socket at {path!r} is served by uid {owner}, not this user ({os.getuid()}): "
+                "it is not this server's checkpoint coordinator"
+            )
         peer = Peer(
             sock, client._handle, on_close=client._lost, message_timeout=message_timeout, name="checkpoint coordinator"
         )
@@ -257,3 +267,18 @@ class WorkerClient:
                         del self._calls[call]
                     stopped += len(gone)
         return {"stopped": stopped}
+
+
+def _listener_uid(sock: socket.socket) -> int | None:
+    """The uid of the process that accepted ``sock`` (Linux ``SO_PEERCRED``; None where unknown).
+
+    Checked on the connection, not on the path: the file could change hands between a check
+    of its owner and the connect."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i")))
+    except OSError:
+        return None
+    return int(uid)

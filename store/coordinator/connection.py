@@ -4,6 +4,13 @@
 A reader thread owns the receiving side: replies wake the waiting request, requests go to
 the handler.  Kinds listed in ``threaded_kinds`` are handled on a thread of their own, because
 their handler sends requests of its own and waits for the replies this reader must deliver.
+
+A peer made with an ``admission`` deadline is on probation until ``admit()`` (the coordinator
+admits a connection when it registers): it must be admitted within the deadline or it is
+dropped, its frames are held to the small ``admission`` frame limit, and its threaded kinds are
+answered on the reader (the handler refuses them at once), so a stranger never gets a thread.
+Once admitted, at most ``MAX_IN_FLIGHT`` threaded requests run at a time; up to ``MAX_QUEUED``
+more wait their turn, and past that a request is refused with 503 ``checkpoint_busy``.
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ import itertools
 import logging
 import socket
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from store.coordinator import framing
@@ -21,6 +31,18 @@ from store.coordinator.errors import CoordinatorError, CoordinatorUnavailableErr
 
 Handler = Callable[["Peer", str, Any], Any]
 _LOG = logging.getLogger("store.coordinator")
+MAX_IN_FLIGHT = 16  # threaded requests one peer runs at once (a worker's claims and control calls)
+MAX_QUEUED = 256  # and how many more may wait for a thread
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Probation for a new connection: admitted within ``timeout`` seconds, frames of at most
+    ``frame_limit`` bytes until then and ``admitted_frame_limit`` after."""
+
+    timeout: float
+    frame_limit: int = framing.REGISTER_FRAME_LIMIT
+    admitted_frame_limit: int = framing.WORKER_FRAME_LIMIT
 
 
 class _Waiter:
@@ -41,7 +63,7 @@ class Peer:
         *,
         on_close: Callable[[Peer], None],
         message_timeout: float,
-        first_frame_timeout: float | None = None,
+        admission: Admission | None = None,
         threaded_kinds: Collection[str] = (),
         name: str = "peer",
     ) -> None:
@@ -50,17 +72,25 @@ class Peer:
         self._handler = handler
         self._on_close = on_close
         self.message_timeout = message_timeout
-        self._first_frame_timeout = first_frame_timeout
+        self._admission = admission
+        self.admitted = admission is None
         self._threaded = frozenset(threaded_kinds)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Waiter] = {}
+        self._in_flight = 0
+        self._queued: deque[tuple[Any, str, Any]] = deque()
         self.closed = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
 
     def start(self) -> None:
+        """Start the reader thread (``RuntimeError`` if the process cannot start one)."""
         self._reader.start()
+
+    def admit(self) -> None:
+        """End the probation: no deadline, the admitted frame limit, threaded kinds on threads."""
+        self.admitted = True
 
     # --- sending --------------------------------------------------------------------------------
 
@@ -109,12 +139,22 @@ class Peer:
     # --- receiving ------------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        idle: float | None = self._first_frame_timeout
-        reader = framing.FrameReader(self.sock)
+        admission = self._admission
+        deadline = None if admission is None else time.monotonic() + admission.timeout
+        reader = framing.FrameReader(self.sock, framing.MAX_FRAME if admission is None else admission.frame_limit)
         try:
             while True:
+                idle: float | None = None
+                body_timeout = self.message_timeout
+                if not self.admitted and deadline is not None:
+                    idle = deadline - time.monotonic()
+                    if idle <= 0:
+                        assert admission is not None
+                        self._refuse(None, FrameError(f"not registered within {admission.timeout:g} s", status=408))
+                        return
+                    body_timeout = min(body_timeout, idle)
                 try:
-                    message = reader.read(body_timeout=self.message_timeout, idle_timeout=idle)
+                    message = reader.read(body_timeout=body_timeout, idle_timeout=idle)
                 except framing.PeerClosed:
                     return
                 except FrameError as exc:
@@ -124,8 +164,9 @@ class Peer:
                     continue
                 except OSError:
                     return
-                idle = None
                 self._dispatch(message)
+                if self.admitted and admission is not None:
+                    reader.max_frame = admission.admitted_frame_limit
         finally:
             self._finish()
 
@@ -154,12 +195,42 @@ class Peer:
             )
             return
         ident, kind, body = message["id"], message["kind"], message.get("body")
-        if kind in self._threaded:
-            threading.Thread(
-                target=self._answer, args=(ident, kind, body), name=f"{self.name}-{kind}", daemon=True
-            ).start()
+        if kind in self._threaded and self.admitted:
+            self._on_a_thread(ident, kind, body)
         else:
             self._answer(ident, kind, body)
+
+    def _on_a_thread(self, ident: Any, kind: str, body: Any) -> None:
+        """Run the request on a thread of its own, or queue it behind the ``MAX_IN_FLIGHT`` running."""
+        with self._lock:
+            full = self._in_flight >= MAX_IN_FLIGHT
+            if full and len(self._queued) < MAX_QUEUED:
+                self._queued.append((ident, kind, body))
+                return
+            if not full:
+                self._in_flight += 1
+        if full:
+            busy = f"{MAX_IN_FLIGHT} requests are running and {MAX_QUEUED} waiting; retry"
+            self._refuse(ident, CoordinatorError(busy, status=503, code="checkpoint_busy"))
+            return
+        try:
+            threading.Thread(
+                target=self._serve, args=(ident, kind, body), name=f"{self.name}-{kind}", daemon=True
+            ).start()
+        except RuntimeError as exc:  # the process cannot start a thread now: refuse this one, go on
+            with self._lock:
+                self._in_flight -= 1
+            self._refuse(ident, CoordinatorError(f"cannot start a thread: {exc}", status=503, code="checkpoint_busy"))
+
+    def _serve(self, ident: Any, kind: str, body: Any) -> None:
+        """Answer a request, then the queued ones, until none is left."""
+        while True:
+            self._answer(ident, kind, body)
+            with self._lock:
+                if not self._queued:
+                    self._in_flight -= 1
+                    return
+                ident, kind, body = self._queued.popleft()
 
     def _answer(self, ident: Any, kind: str, body: Any) -> None:
         try:

@@ -2,6 +2,14 @@
 
 JSON here keeps what the checkpoint writer keeps: ±inf and NaN (as ``Infinity``/``NaN``)
 and integers of any size, so a worker's message round-trips exactly.
+
+A reader may take less than the contract's 64 MiB: the coordinator reads at most
+``REGISTER_FRAME_LIMIT`` from a connection that has not registered (a register frame is
+~30 bytes) and ``WORKER_FRAME_LIMIT`` from a worker.  The largest legitimate frame a worker
+sends is a report or snapshot: one ~150-byte row per call it delivered since the last
+checkpoint (thousands per checkpoint), or a restore's records (a few hundred bytes each);
+16 MiB holds ~100,000 rows, far beyond one checkpoint of one worker, and bounds what one
+connection can make the coordinator buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from typing import Any
 
 from store.coordinator.errors import FrameError
 
-MAX_FRAME = 64 * 1024 * 1024
+MAX_FRAME = 64 * 1024 * 1024  # the contract's bound: what is ever sent, and what a worker reads
+WORKER_FRAME_LIMIT = 16 * 1024 * 1024
+REGISTER_FRAME_LIMIT = 64 * 1024
 _HEADER = struct.Struct(">I")
 
 
@@ -53,7 +63,9 @@ def _constant(name: str) -> float:
     return {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}[name]
 
 
-def read_frame(sock: socket.socket, *, body_timeout: float, idle_timeout: float | None = None) -> Any:
+def read_frame(
+    sock: socket.socket, *, body_timeout: float, idle_timeout: float | None = None, max_frame: int = MAX_FRAME
+) -> Any:
     """Read one frame.  The first byte may take ``idle_timeout`` seconds (None: no limit, an
     idle peer is fine); once a frame has begun, all of it must arrive within ``body_timeout``.
 
@@ -70,8 +82,8 @@ def read_frame(sock: socket.socket, *, body_timeout: float, idle_timeout: float 
     deadline = time.monotonic() + body_timeout
     header = first + _recv_exactly(sock, _HEADER.size - 1, deadline, "header")
     (length,) = _HEADER.unpack(header)
-    if length > MAX_FRAME:
-        raise _lost(f"a frame of {length} bytes is over the {MAX_FRAME}-byte limit", 413)
+    if length > max_frame:
+        raise _lost(f"a frame of {length} bytes is over the {max_frame}-byte limit", 413)
     return decode(_recv_exactly(sock, length, deadline, "body"))
 
 
@@ -81,9 +93,10 @@ class FrameReader:
 
     _CHUNK = 1 << 16
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int = MAX_FRAME) -> None:
         self._sock = sock
         self._buffer = bytearray()
+        self.max_frame = max_frame  # the reader's own bound (at most the contract's MAX_FRAME)
 
     def read(self, *, body_timeout: float, idle_timeout: float | None = None) -> Any:
         """As ``read_frame``: the next frame's document, ``PeerClosed`` or ``FrameError``."""
@@ -98,8 +111,8 @@ class FrameReader:
         deadline = time.monotonic() + body_timeout
         self._fill(_HEADER.size, deadline, "header")
         (length,) = _HEADER.unpack_from(self._buffer)
-        if length > MAX_FRAME:
-            raise _lost(f"a frame of {length} bytes is over the {MAX_FRAME}-byte limit", 413)
+        if length > self.max_frame:
+            raise _lost(f"a frame of {length} bytes is over the {self.max_frame}-byte limit", 413)
         end = _HEADER.size + length
         self._fill(end, deadline, "body")
         payload = bytes(self._buffer[_HEADER.size : end])

@@ -2,14 +2,25 @@
 
 It serves no requests itself: it tracks the worker processes, logs each one by pid as it
 joins, stops or is lost (8.3), and drives the checkpoint phases across all of them.
+
+Against a hostile peer of the same user (another user is refused by the socket's mode and
+``SO_PEERCRED``): at most ``max_connections`` connections; one that has not registered within
+``register_timeout`` is dropped, reads at most 64 KiB frames and gets no thread; a registered
+worker's frames are at most ``max_frame_bytes``; the accept loop outlives a failed accept or
+thread start.  The socket is born 0600 (``fchmod`` before ``bind``: no process-wide umask, no
+``chmod`` of a path that could be a symlink), and a stale socket a killed coordinator left at
+the path is replaced, never a live one or a file that is not a socket.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import secrets
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -18,10 +29,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from store.coordinator import worker_log
-from store.coordinator.connection import Peer
+from store.coordinator import framing, worker_log
+from store.coordinator.connection import Admission, Peer
 from store.coordinator.errors import CheckpointStateError, CoordinatorError, FrameError
-from store.coordinator.state import CheckpointState, Worker, check_report
+from store.coordinator.state import MAX_ATTEMPT, CheckpointState, Worker, check_report
 
 if TYPE_CHECKING:
     from store.store import Store
@@ -30,6 +41,11 @@ SOCKET_ENV = "NEMO_GYM_POLICY_CHECKPOINT_SOCKET"
 MESSAGE_TIMEOUT = 30.0
 CONTROL_GRACE = 10.0
 _THREADED = ("control", "claim_cut", "return_cut")
+_LOG = logging.getLogger("store.coordinator")
+MAX_PID = 2**31 - 1  # pid_t
+# accept() failures that pass: out of fds or memory for a moment, or a peer gone before accept
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EINTR, errno.EPROTO}
+_ACCEPT_BACKOFF = 0.1  # seconds before accepting again after a failure
 
 
 def default_socket_path() -> str:
@@ -51,14 +67,31 @@ class Coordinator:
         store: Store | None = None,
         message_timeout: float = MESSAGE_TIMEOUT,
         register_timeout: float = 10.0,
+        max_connections: int | None = None,
+        max_frame_bytes: int = framing.WORKER_FRAME_LIMIT,
     ) -> None:
+        """``max_connections`` defaults to twice the expected workers plus 16 (replacements and
+        stragglers fit; a flood does not); ``max_frame_bytes`` (16 MiB, at most the contract's
+        64 MiB) bounds a registered worker's frames."""
         if not isinstance(expected_workers, int) or isinstance(expected_workers, bool) or expected_workers < 1:
             raise CoordinatorError(f"expected_workers must be a positive integer, got {expected_workers!r}", status=400)
+        if max_connections is None:
+            max_connections = 2 * expected_workers + 16
+        if type(max_connections) is not int or max_connections < expected_workers:
+            raise CoordinatorError(
+                f"max_connections must be an integer >= expected_workers, got {max_connections!r}", status=400
+            )
+        if type(max_frame_bytes) is not int or not framing.REGISTER_FRAME_LIMIT <= max_frame_bytes <= framing.MAX_FRAME:
+            bounds = f"[{framing.REGISTER_FRAME_LIMIT}, {framing.MAX_FRAME}]"
+            raise CoordinatorError(f"max_frame_bytes must be in {bounds}, got {max_frame_bytes!r}", status=400)
         self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
         self.expected = expected_workers
         self._store = store
         self.message_timeout = message_timeout
         self._register_timeout = register_timeout
+        self.max_connections = max_connections
+        self._admission = Admission(register_timeout, admitted_frame_limit=max_frame_bytes)
+        self._churn = worker_log.ChurnLimit()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a report arrived or a worker left
         self._state = CheckpointState(expected_workers)
@@ -72,16 +105,7 @@ class Coordinator:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> Coordinator:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
-        try:
-            listener.bind(self.socket_path)
-        except OSError as exc:
-            listener.close()
-            raise CoordinatorError(f"cannot listen on {self.socket_path!r}: {exc}", status=500) from exc
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.socket_path, 0o600)
+        listener = _bind_private(self.socket_path)
         listener.listen(256)
         self._listener = listener
         self._acceptor = threading.Thread(target=self._accept_loop, name="coordinator-accept", daemon=True)
@@ -106,6 +130,7 @@ class Coordinator:
             peer.close()
         for peer in peers:
             peer.closed.wait(timeout=5)
+        self._churn.flush()
 
     def __enter__(self) -> Coordinator:
         return self.start() if self._listener is None else self
@@ -155,26 +180,55 @@ class Coordinator:
         while True:
             try:
                 sock, _ = listener.accept()
-            except OSError:
-                return  # closed
-            if not _same_user(sock):
-                sock.close()  # 0600 already keeps others out; this also covers a loosened mode
+            except OSError as exc:
+                if self._listener is None or exc.errno not in _TRANSIENT:
+                    return  # closed
+                _LOG.warning("the checkpoint coordinator could not accept a connection: %s; retrying", exc)
+                time.sleep(_ACCEPT_BACKOFF)  # out of fds or memory: give the process a moment
                 continue
-            peer = Peer(
-                sock,
-                self._handle,
-                on_close=self._closed,
-                message_timeout=self.message_timeout,
-                first_frame_timeout=self._register_timeout,
-                threaded_kinds=_THREADED,
-                name="policy worker",
-            )
-            with self._lock:
-                if self._closing:
+            try:
+                self._admit_connection(sock)
+            except Exception:  # never the end of the accept loop: drop this one connection
+                _LOG.exception("the checkpoint coordinator dropped a new connection")
+                with contextlib.suppress(OSError):
                     sock.close()
-                    return
+            if self._listener is None:
+                return
+
+    def _admit_connection(self, sock: socket.socket) -> None:
+        """Start serving an accepted connection, or refuse it (another user, past the cap, no thread)."""
+        if not _same_user(sock):
+            sock.close()  # 0600 already keeps others out; this also covers a loosened mode
+            return
+        peer = Peer(
+            sock,
+            self._handle,
+            on_close=self._closed,
+            message_timeout=self.message_timeout,
+            admission=self._admission,
+            threaded_kinds=_THREADED,
+            name="policy worker",
+        )
+        with self._lock:
+            if self._closing:
+                sock.close()
+                return
+            full = len(self._peers) >= self.max_connections
+            if not full:
                 self._peers[peer] = None
+        if full:
+            detail = f"the coordinator holds its limit of {self.max_connections} connections"
+            _refuse_and_close(sock, CoordinatorError(detail, status=503, code="too_many_connections"))
+            return
+        try:
             peer.start()
+        except RuntimeError as exc:  # the process cannot start a thread now: refuse this one, keep accepting
+            with self._lock:
+                self._peers.pop(peer, None)
+            _LOG.warning("the checkpoint coordinator refused a connection: cannot start its thread (%s)", exc)
+            _refuse_and_close(
+                sock, CoordinatorError(f"cannot start a thread: {exc}", status=503, code="checkpoint_busy")
+            )
 
     def _closed(self, peer: Peer) -> None:
         with self._lock:
@@ -186,18 +240,23 @@ class Coordinator:
             self._goodbyes.discard(index)
             checkpoint = self._state.checkpoint
             worker = self._state.leave(index)
+            given_back = worker is not None and bool(worker.claims)
+            update = self._restored_update()
             blocked = self._state.lost_worker and checkpoint is not None
             remaining = len(self._state.workers)
             closing = self._closing
             self._changed.notify_all()
         if worker is None or closing:
             return
+        if given_back:  # the dead worker's restored cuts are offered to the workers still here
+            self._broadcast("restored_pending", update)
         self._log_leave(worker, said_goodbye, remaining, checkpoint if blocked else None)
 
     def _log_leave(self, worker: Worker, said_goodbye: bool, remaining: int, blocked: str | None) -> None:
-        worker_log.log_leave(
-            worker, said_goodbye=said_goodbye, remaining=remaining, expected=self.expected, blocked=blocked
-        )
+        if blocked is not None or self._churn.allow("stopped" if said_goodbye else "lost"):
+            worker_log.log_leave(
+                worker, said_goodbye=said_goodbye, remaining=remaining, expected=self.expected, blocked=blocked
+            )
         kind = "worker_stopped" if said_goodbye else "worker_lost"
         worker_log.record(self._store, kind, worker, connected=remaining, expected=self.expected, checkpoint=blocked)
 
@@ -217,8 +276,8 @@ class Coordinator:
 
     def _register(self, peer: Peer, body: Any) -> Any:
         pid = body.get("pid") if isinstance(body, dict) else None
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-            raise FrameError(f"register needs {{'pid': <positive integer>}}, got {body!r}")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= MAX_PID:
+            raise FrameError(f"register needs {{'pid': <integer in 1..{MAX_PID}>}}, got {_short(body)}")
         with self._lock:
             if self._peers.get(peer) is not None:
                 raise CheckpointStateError("this connection is already registered")
@@ -228,7 +287,9 @@ class Coordinator:
             connected = len(self._state.workers)
             adoption = self._state.adoption()
             self._changed.notify_all()
-        worker_log.log_join(worker, connected, self.expected)
+        peer.admit()
+        if self._churn.allow("joined"):
+            worker_log.log_join(worker, connected, self.expected)
         worker.joined_seq = worker_log.record(
             self._store, "worker_joined", worker, connected=connected, expected=self.expected, checkpoint=None
         )
@@ -421,16 +482,22 @@ _CONTROL = _control_dispatch()
 
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise FrameError(f"{name} must be a non-empty string, got {value!r}")
+        raise FrameError(f"{name} must be a non-empty string, got {_short(value)}")
     return value
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut to 200 characters: an error echoes a peer's value, never all of it."""
+    shown = repr(value)
+    return shown if len(shown) <= 200 else shown[:197] + "..."
 
 
 def _attempt(rollout_id: Any, attempt: Any) -> str:
     from store.wire.cut_records import capture_key
 
     rollout_id = _text("rollout_id", rollout_id)
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        raise FrameError(f"attempt must be an integer >= 0, got {attempt!r}")
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt <= MAX_ATTEMPT:
+        raise FrameError(f"attempt must be an integer in 0..{MAX_ATTEMPT}, got {_short(attempt)}")
     return capture_key(rollout_id, attempt)
 
 
@@ -450,3 +517,67 @@ def _same_user(sock: socket.socket) -> bool:
     except OSError:
         return False
     return bool(uid == os.getuid())
+
+
+def _refuse_and_close(sock: socket.socket, error: CoordinatorError) -> None:
+    """One error frame (if the peer takes it at once), then close."""
+    with contextlib.suppress(OSError, CoordinatorError):
+        framing.send_all(sock, framing.encode({"reply_to": None, "ok": False, "error": error.wire()}), 0.1)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def _bind_private(path: str) -> socket.socket:
+    """A Unix socket bound at ``path`` and born 0600.
+
+    The mode is set on the socket before ``bind`` (Linux gives the file the socket's mode less
+    the umask), so no umask is changed for the whole process and no path is ``chmod``-ed after
+    the fact (it could have been swapped for a symlink).  A socket file left by a coordinator
+    that was killed (nobody accepts on it) is removed and bound again; a live socket, one
+    another user owns, or a path that is not a socket is refused."""
+    for attempt in range(2):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.fchmod(listener.fileno(), 0o600)
+            listener.bind(path)
+        except OSError as exc:
+            listener.close()
+            if exc.errno == errno.EADDRINUSE and attempt == 0 and _remove_stale(path):
+                continue
+            raise CoordinatorError(f"cannot listen on {path!r}: {exc}", status=500) from exc
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if mode & 0o077:  # a platform that ignores a socket's own mode
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise CoordinatorError(f"cannot make {path!r} private (mode {mode:04o})", status=500)
+        return listener
+    raise AssertionError("unreachable")
+
+
+def _remove_stale(path: str) -> bool:
+    """Remove a socket file at ``path`` that is ours and that nobody listens on; False (and
+    nothing removed) for anything else, which the caller then reports."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return True  # gone meanwhile: bind again
+    if not stat.S_ISSOCK(info.st_mode):
+        raise CoordinatorError(f"cannot listen on {path!r}: it exists and is not a socket", status=500)
+    if info.st_uid != os.getuid():
+        raise CoordinatorError(f"cannot listen on {path!r}: the socket there belongs to uid {info.st_uid}", status=500)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        pass  # stale: nobody accepts on it
+    except OSError:
+        return False
+    else:
+        raise CoordinatorError(f"cannot listen on {path!r}: another coordinator is listening there", status=500)
+    finally:
+        probe.close()
+    _LOG.warning("removing the stale checkpoint socket %s (its coordinator is gone)", path)
+    os.unlink(path)
+    return True

@@ -15,6 +15,14 @@ from store.wire.cut_records import capture_key as attempt_key
 
 UNREPORTED = "policy-workers-unreported"
 LOST = "policy-worker-lost"
+# Bounds on the numbers a frame carries.  A restore retires every earlier attempt of each
+# record, so its work grows with the attempts: an attempt is at most MAX_ATTEMPT (an episode
+# is restored or retried that many times in a run at most), a restore names at most
+# MAX_RESTORE_RECORDS episodes and retires at most MAX_RESTORE_RETIRED attempt keys in all.
+MAX_ATTEMPT = 1000
+MAX_RESTORE_RECORDS = 65_536
+MAX_RESTORE_RETIRED = 262_144
+MAX_SERVED = 2**63 - 1
 
 
 @dataclass
@@ -207,6 +215,9 @@ class CheckpointState:
     def claim(self, index: int, key: str, model_call_id: str) -> tuple[Any, bool]:
         """The cut for the call if this worker is first to claim it; and whether this claim
         started a restored attempt (it is then no longer pending anywhere)."""
+        worker = self.workers.get(index)
+        if worker is None:  # it left (its connection closed) while this claim was on its way
+            raise CheckpointStateError("the worker is not registered")
         if key in self.retired:
             raise CheckpointStateError(f"attempt {key!r} is retired", code="attempt_retired")
         newly_started = key in self.pending
@@ -216,7 +227,7 @@ class CheckpointState:
         if cut is None or cut.claimed_by is not None:
             return None, newly_started
         cut.claimed_by = index
-        self.workers[index].claims.add(cut.target)
+        worker.claims.add(cut.target)
         return cut.continuation, newly_started
 
     def return_cut(self, index: int, key: str, model_call_id: str) -> bool:
@@ -244,8 +255,8 @@ def check_report(body: Any) -> dict[str, Any]:
     rows, undelivered, streaming = body.get("rows", []), body.get("undelivered", []), body.get("streaming", [])
     if checkpoint_id is not None and not isinstance(checkpoint_id, str):
         raise FrameError("report checkpoint_id must be a string or null")
-    if not isinstance(served, int) or isinstance(served, bool) or served < 0:
-        raise FrameError("report served must be a non-negative integer")
+    if not isinstance(served, int) or isinstance(served, bool) or not 0 <= served <= MAX_SERVED:
+        raise FrameError(f"report served must be an integer in 0..{MAX_SERVED}")
     if not (isinstance(rows, list) and all(_is_row(row) for row in rows)):
         raise FrameError("report rows must be objects with capture_key, model_call_id and staging_key")
     if not (isinstance(undelivered, list) and all(_is_pair(call) for call in undelivered)):
@@ -277,7 +288,27 @@ def _is_pair(call: Any) -> bool:
 def _records(records: Any) -> list[Any]:
     if not isinstance(records, list) or not records:
         raise FrameError("restore needs a non-empty list of records")
+    if len(records) > MAX_RESTORE_RECORDS:
+        raise FrameError(
+            f"restore names {len(records)} records; at most {MAX_RESTORE_RECORDS} per restore (split it)", status=413
+        )
+    # Counted before any key is made: each record retires its attempt and every earlier one.
+    retiring = sum(_attempt_of(record) + 1 for record in records)
+    if retiring > MAX_RESTORE_RETIRED:
+        raise FrameError(
+            f"restore would retire {retiring} attempts; at most {MAX_RESTORE_RETIRED} per restore (split it)",
+            status=413,
+        )
     return records
+
+
+def _attempt_of(record: Any) -> int:
+    if not isinstance(record, dict):
+        raise FrameError("a restore record must be a JSON object")
+    attempt = record.get("attempt")
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt < MAX_ATTEMPT:
+        raise FrameError(f"a restore record needs an attempt in 0..{MAX_ATTEMPT - 1} (the next attempt is restored)")
+    return attempt
 
 
 def _restored_record(record: Any) -> tuple[str, list[str], list[dict[str, Any]], RestoredCut | None]:
@@ -286,11 +317,9 @@ def _restored_record(record: Any) -> tuple[str, list[str], list[dict[str, Any]],
     A record is installed under the next attempt; it and every earlier attempt are retired."""
     if not isinstance(record, dict):
         raise FrameError("a restore record must be a JSON object")
-    rollout_id, attempt = record.get("rollout_id"), record.get("attempt")
+    rollout_id, attempt = record.get("rollout_id"), _attempt_of(record)
     if not isinstance(rollout_id, str) or not rollout_id:
         raise FrameError("a restore record needs a rollout_id")
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        raise FrameError("a restore record needs an attempt >= 0")
     source, target = attempt_key(rollout_id, attempt), attempt_key(rollout_id, attempt + 1)
     earlier = [attempt_key(rollout_id, n) for n in range(attempt + 1)]
     rows = record.get("rows", [])

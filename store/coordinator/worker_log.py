@@ -3,11 +3,20 @@
 The lines follow uvicorn's ``Child process [<pid>] died``; the fields the contract asks for
 (pid, index, connected, expected, the checkpoint that can no longer commit) are also on
 each record as attributes, for handlers that want them without parsing the message.
+
+Join and leave lines are rate-limited (``ChurnLimit``): a process that connects and
+disconnects in a loop would otherwise write thousands of lines a second.  Past the limit the
+lines are counted, and one WARNING says how many were left out.  A worker lost while a
+checkpoint is open is always logged: that line is the one an operator needs.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from store.coordinator.state import Worker
@@ -16,6 +25,52 @@ if TYPE_CHECKING:
     from store.store import Store
 
 LOG = logging.getLogger("store.coordinator")
+CHURN_LINES = 20  # join/leave lines per window
+CHURN_WINDOW = 10.0  # seconds
+
+
+class ChurnLimit:
+    """At most ``lines`` join/leave lines per ``window`` seconds; the rest are counted and
+    summed up in one WARNING when the window ends (at the next line, or ``flush``)."""
+
+    def __init__(
+        self, lines: int = CHURN_LINES, window: float = CHURN_WINDOW, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.lines = lines
+        self.window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._logged = 0
+        self._left_out: Counter[str] = Counter()
+
+    def allow(self, what: str) -> bool:
+        """Whether a ``what`` line ("joined", "stopped", "lost") may be logged now."""
+        with self._lock:
+            if self._clock() - self._started >= self.window:
+                self._summarize()
+            if self._logged < self.lines:
+                self._logged += 1
+                return True
+            self._left_out[what] += 1
+            return False
+
+    def flush(self) -> None:
+        with self._lock:
+            self._summarize()
+
+    def _summarize(self) -> None:
+        if self._left_out:
+            counts = ", ".join(f"{n} {what}" for what, n in sorted(self._left_out.items()))
+            LOG.warning(
+                "Policy worker churn: %s not logged in the last %.0f s (status() lists the connected workers)",
+                counts,
+                self._clock() - self._started,
+                extra={"churn_left_out": dict(self._left_out)},
+            )
+        self._started = self._clock()
+        self._logged = 0
+        self._left_out.clear()
 
 
 def log_join(worker: Worker, connected: int, expected: int) -> None:
