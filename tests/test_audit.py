@@ -416,3 +416,36 @@ def test_an_audit_walks_pages_on_its_own_connection_while_a_writer_holds_the_loc
             writer.close()
         assert report.ok and report.counts["file_checked"] == 1 and report.counts["records"] == 1
         assert store.audit().counts["file_checked"] == 1
+
+
+# --- a parent the log never had (issue 22) ---------------------------------------------------------
+
+
+def test_a_record_whose_parent_the_log_never_had_is_a_problem_named(store: Store) -> None:
+    orphan = make_record(
+        rollout_id="o", model_call_id="c1", parent_call_id="ghost", parent_chain_hash="a" * 64, prefix=[1, 2, 3]
+    )
+    assert store.stage(orphan).ok
+    assert store.stage(make_record(rollout_id="fine")).ok
+    report = store.audit()
+    assert not report.ok, report.summary()
+    assert [(p.code, p.rollout_id, p.model_call_id) for p in report.problems] == [("missing_parent", "o", "c1")]
+    assert "ghost" in report.problems[0].reason and "never" in report.problems[0].reason
+    assert not report.counts.get("unverifiable")  # named, not counted as merely unverifiable
+
+
+def test_a_parent_a_delete_removed_leaves_its_later_child_unverifiable_not_a_problem(store: Store) -> None:
+    parent = make_record(rollout_id="d", model_call_id="c0")
+    assert store.stage(parent).ok
+    assert store.delete(["d"]).removed == ["d"]
+    child = make_record(
+        rollout_id="d",
+        model_call_id="c1",
+        parent_call_id="c0",
+        parent_chain_hash=parent.chain_hash,
+        prefix=[*parent.token_ids_delta],
+    )
+    assert store.stage(child).ok  # staged after the delete: its parent is gone, and the log says why
+    report = store.audit()
+    assert report.ok, report.summary()
+    assert report.counts["unverifiable"] >= 1 and report.counts["tombstones"] == 1

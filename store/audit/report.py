@@ -11,6 +11,7 @@ UNDECODABLE = "undecodable"  # an event passes its checksum (or cannot be read) 
 DIGEST = "digest"  # a record does not match its staged digest
 CHAIN = "chain"  # a record's chain hash does not recompute from its parent's
 PARENT_LENGTH = "parent_length"  # a child's prev_len is not its parent's cum_len
+MISSING_PARENT = "missing_parent"  # a record's parent was never in the log, and no delete removed it
 CUMULATIVE = "cumulative"  # a leaf's cumulative hash (or length) does not match its lineage's tokens
 CONTINUATION = "continuation"  # a continued call did not resume the cut it names
 STAGED_KEY = "staged_key"  # a staged key does not point at its own record
@@ -24,6 +25,7 @@ CODES = (
     DIGEST,
     CHAIN,
     PARENT_LENGTH,
+    MISSING_PARENT,
     CUMULATIVE,
     CONTINUATION,
     STAGED_KEY,
@@ -59,8 +61,9 @@ class AuditReport:
     ``events``, ``records``, ``calls``, ``chains`` (records whose chain hash was recomputed),
     ``leaves`` (cumulative hashes recomputed over a whole lineage), ``continuations``,
     ``resumed_records`` (continued calls' records matched against their cut),
-    ``projection_rows``, and ``unverifiable`` (records whose parent tokens are not in the
-    store, so their chain or cumulative hash could not be recomputed), and after deletes
+    ``projection_rows``, and ``unverifiable`` (records whose parent tokens a delete removed, so
+    their chain or cumulative hash could not be recomputed; a parent the log never had is a
+    ``missing_parent`` problem), and after deletes
     ``tombstones``, ``deleted_events`` (what they removed) and ``continuations_of_deleted``
     (continued calls whose cut went with its attempt's delete)."""
 

@@ -30,6 +30,7 @@ from store.audit.report import (
     CUMULATIVE,
     DIGEST,
     MAX_PROBLEMS,
+    MISSING_PARENT,
     PARENT_LENGTH,
     PROJECTION,
     STAGED_KEY,
@@ -235,7 +236,9 @@ class _Audit:
         # Capture keys with a delete (a tombstone): their removed events explain gaps, and
         # the events of theirs the pass meets are kept to check the delete really removed them.
         self.deleted = self._deleted_keys()
+        self.fully_deleted: set[str] = set()  # capture keys a (not ledger-only) delete emptied
         self.survivors: dict[str, list[tuple[int, EventKind]]] = {}
+        self.orphans: set[int] = set()  # records already named as missing their parent
 
     # --- the pass ---------------------------------------------------------------------------
 
@@ -323,6 +326,8 @@ class _Audit:
             return
         body: TombstoneBody = event.body
         self.counts["tombstones"] += 1
+        if not body.ledger_only:
+            self.fully_deleted.add(event.rollout_id)
         self.counts["deleted_events"] += body.events
         seen = self.survivors.pop(event.rollout_id, [])
         left = [seq for seq, kind in seen if not body.ledger_only or kind in LEDGER_KINDS]
@@ -544,18 +549,30 @@ class _Audit:
             # One look at the parent (it reports a wrong parent length once), then the ids read again.
             known, parent_chain = self._parent_chain(record, call)
             if not known:
-                self.counts["unverifiable"] += 1
+                self._parent_unknown(record, f"its parent {record.parent_call_id!r} was never staged in this log")
                 continue
             self._recompute_chain(record, parent_chain, self._token_ids(record.seq))
+
+    def _parent_unknown(self, record: _Record, reason: str) -> None:
+        """Unverifiable where the log records the parent's removal (a delete of its capture key,
+        or of the attempt the call continues); anywhere else the store holds an orphan."""
+        call = self.calls.get((record.rollout_id, record.model_call_id))
+        removed = {record.rollout_id} | ({call.continues[0]} if call is not None and call.continues else set())
+        if removed & self.fully_deleted:
+            self.counts["unverifiable"] += 1
+        elif record.seq not in self.orphans:
+            self.orphans.add(record.seq)
+            self.problem(MISSING_PARENT, f"{reason}, and no delete removed it", **_where(record))
 
     def _leaves(self) -> None:
         """The cumulative hash of each leaf (a terminal record nothing chained from), over its lineage."""
         for record in self.by_chain.values():
             if record.chain_hash in self.chained_from or record.parent_call_id is None:
                 continue  # not a leaf, or a root (checked in the pass)
-            lineage = self._lineage(record)
+            lineage, broken = self._lineage(record)
             if lineage is None:
-                self.counts["unverifiable"] += 1
+                assert broken is not None
+                self._parent_unknown(broken, f"the tokens of its parent {broken.parent_call_id!r} are not in this log")
                 continue
             self.counts["leaves"] += 1
             total = sum(ancestor.delta_len for ancestor in lineage)
@@ -571,20 +588,20 @@ class _Audit:
                 reason = "its cumulative hash is not the hash of its lineage's tokens"
                 self.problem(CUMULATIVE, reason, **_where(record))
 
-    def _lineage(self, leaf: _Record) -> list[_Record] | None:
-        """Root first; None when a link is unknown (its parent's tokens are not in the store)."""
+    def _lineage(self, leaf: _Record) -> tuple[list[_Record] | None, _Record | None]:
+        """Root first; (None, the record whose link is unknown) when a parent's tokens are not in the store."""
         lineage = [leaf]
         current = leaf
         while current.parent_call_id is not None:
             if not current.chain_known or current.parent_chain is None:
-                return None
+                return None, current
             parent = self.by_chain.get(current.parent_chain)
             if parent is None or len(lineage) > len(self.by_chain):
-                return None
+                return None, current
             lineage.append(parent)
             current = parent
         lineage.reverse()
-        return lineage
+        return lineage, None
 
     def _columns(self, seq: int) -> PackedColumns:
         events = schema.events
