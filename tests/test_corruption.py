@@ -34,7 +34,7 @@ from corruption_helpers import (
 )
 from factories import make_record
 
-from store import CorruptRecordError, EventKind, Store, UnknownKeyError
+from store import CorruptRecordError, EventKind, Store, StoreError, UnknownKeyError, open_store
 
 # --- damaging one row through raw SQL ---------------------------------------------------------------
 
@@ -111,8 +111,11 @@ def test_damage_to_a_staged_key_row_never_serves_another_record(store: Store, ra
             where = f"staged key {key}, {column} {label}"
             failures += [f"{where}: {v}" for v in outcome.violations]
             if column == "staging_key":
-                if not isinstance(outcome.detected.get(f"fetch {key}"), UnknownKeyError):
-                    failures.append(f"{where}: the renamed key still fetched")
+                # The row is still there under a damaged key: the acknowledged key is corrupt, not unknown.
+                if not outcome.corrupt(f"fetch {key}") or "damaged in the key table" not in str(
+                    outcome.detected[f"fetch {key}"]
+                ):
+                    failures.append(f"{where}: the renamed key was not reported as damaged")
                 with pytest.raises(CorruptRecordError, match="another key"):
                     store.fetch([key + "x"])
             elif not (outcome.corrupt(f"fetch {key}") and outcome.corrupt(f"fetch_chunks {key}")):
@@ -211,3 +214,59 @@ def test_an_undamaged_copy_probes_clean(tmp_path: Path) -> None:
     data, expected = sample_file(tmp_path)
     trials = run_file_trials(data, expected, tmp_path, lambda data: (data, []), 1)
     assert (trials.violations, trials.found, trials.opened) == ([], 0, 1)
+
+
+# --- a key hidden by damage to its own row (issue 22) -----------------------------------------------
+
+
+def test_a_key_hidden_by_damage_to_the_key_table_is_corrupt_not_unknown(store: Store, raw: sa.Connection) -> None:
+    expected = populate(store)
+    key = "r1/c2"
+    flipped = flip_text(key)  # one bit of the row's key: the lookup of the real key misses
+    raw.execute(sa.text("UPDATE staged_keys SET staging_key = :new WHERE staging_key = :k"), {"new": flipped, "k": key})
+    with pytest.raises(CorruptRecordError, match="damaged in the key table") as hidden:
+        store.fetch([key])
+    assert repr(flipped) in str(hidden.value)
+    with pytest.raises(CorruptRecordError):
+        store.fetch_chunks(["r1/c1", key])
+    raw.execute(sa.text("UPDATE staged_keys SET staging_key = :k WHERE staging_key = :new"), {"new": flipped, "k": key})
+    assert not probe(store, expected).found
+    # A key the store never held is unknown, wherever it falls among the real keys.
+    for absent in ("r1/c2x", "a", "zzz", "r1/c1-"):
+        with pytest.raises(UnknownKeyError):
+            store.fetch([absent])
+
+
+def test_flipping_any_byte_of_the_key_tables_page_never_makes_an_acknowledged_key_unknown(tmp_path: Path) -> None:
+    """Bytes of the SQLite page that holds the staged keys, XORed in turn: fetch of every acknowledged
+    key answers its record or a StoreError, never UnknownKeyError."""
+    import sqlite3
+
+    data, expected = sample_file(tmp_path)
+    with sqlite3.connect(tmp_path / "pristine.db") as pristine:
+        page_size = pristine.execute("PRAGMA page_size").fetchone()[0]
+        (page,) = pristine.execute("SELECT rootpage FROM sqlite_master WHERE name = 'staged_keys'").fetchone()
+    start = (page - 1) * page_size
+    # The page's cells (the keys' rows) sit at its end: every one of its last 120 bytes, and its header.
+    offsets = [*range(start + page_size - 120, start + page_size), *range(start, start + 12)]
+    unknown: list[str] = []
+    path = tmp_path / "damaged.db"
+    for offset in offsets:
+        damaged = bytearray(data)
+        damaged[offset] ^= 0x01
+        for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            leftover.unlink(missing_ok=True)
+        path.write_bytes(bytes(damaged))
+        try:
+            opened = open_store(path)
+        except StoreError:
+            continue
+        with opened:
+            for key in expected.records:
+                try:
+                    opened.fetch([key])
+                except UnknownKeyError:
+                    unknown.append(f"offset {offset}: {key}")
+                except StoreError:
+                    pass
+    assert unknown == [], unknown[:10]

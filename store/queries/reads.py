@@ -16,6 +16,7 @@ from store.log import schema
 from store.log.engine import Backend, driver_errors, storage_error
 from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, Span
 from store.projections.fold import CallState, Event
+from store.queries.absence import check_absent
 from store.queries.integrity import DECODE_ERRORS, describe, undecodable_text, verified_event
 from store.wire.columns import ColumnBlock, decode_floats, decode_ids, decode_mask, stored_id_count
 from store.wire.digest import PackedColumns, staging_digest_and_columns
@@ -272,7 +273,9 @@ class Reader:
             for start in range(0, len(wanted), _FETCH_CHUNK):
                 for row in _keyed_rows(connection, wanted[start : start + _FETCH_CHUNK]):
                     rows[row["key_staging_key"]] = row
-        missing = [key for key in wanted if key not in rows]
+            missing = [key for key in wanted if key not in rows]
+            if missing:
+                check_absent(connection, missing)  # damage that hides a key is CorruptRecordError
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise UnknownKeyError(f"no staged record under {len(missing)} key(s): {shown}")
