@@ -870,7 +870,9 @@ class EventLog:
         self._statements = _Statements(engine)
         self._pid = os.getpid()  # the events' writer_pid (a forked child sets its own)
         self._checkpointer = (
-            None if backend.checkpoint_sql is None or read_only else Checkpointer(engine, backend.checkpoint_sql)
+            None
+            if backend.checkpoint_sql is None or read_only
+            else Checkpointer(engine, backend.checkpoint_sql, database=wal_path and wal_path.removesuffix("-wal"))
         )
         self._driver_errors = driver_errors(engine)
         self._closed = False
@@ -1177,6 +1179,8 @@ class EventLog:
             try:
                 cursor = connection.cursor()
                 try:
+                    if not checkpointer.room_to_finish(cursor):
+                        return  # a full disk: the space goes to commits until the checkpoint can finish
                     row = cursor.execute(self._backend.checkpoint_sql).fetchone()
                 finally:
                     cursor.close()

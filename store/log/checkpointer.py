@@ -13,11 +13,20 @@ it copies only the frames committed meanwhile, and the batch after it restarts t
 the thread falls far behind (a failing checkpoint), the writer checkpoints in line as well.
 Checkpoints are crash safe in any order with commits (the -wal stays the durable copy until a
 checkpoint has synced the database), so durability is unchanged.
+
+A checkpoint needs room: the database grows to hold the pages the -wal added, and the -wal
+gives nothing back until all of them are copied.  On a full disk a checkpoint that cannot
+finish would spend the space that came back on pages it cannot release (the database grows,
+the -wal does not shrink), and every commit, which needs room only at the end of the -wal,
+would fail again: 256 KiB freed bought one stage.  So a checkpoint runs only when the file
+system can take the database's growth (``room_to_finish``); until then commits use the space,
+and the thread tries again every ``RETRY_SECONDS``, finishing once the room is there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any
@@ -36,15 +45,21 @@ RETRY_SECONDS = 0.1
 # meanwhile: the thread runs another pass (up to MAX_PASSES) so the writer's part stays small.
 SHORT_PASS_SECONDS = 0.002
 MAX_PASSES = 8
+# Room kept free beyond the database's growth before a checkpoint starts (a few commits' worth).
+ROOM_MARGIN = 1024 * 1024
 
 
 class Checkpointer:
     """One background thread per store that checkpoints when enough was committed."""
 
-    def __init__(self, engine: Engine, sql: str, every_bytes: int | None = None) -> None:
+    def __init__(
+        self, engine: Engine, sql: str, every_bytes: int | None = None, *, database: str | None = None
+    ) -> None:
+        """``database``: the SQLite file, for ``room_to_finish`` (None: room is not checked)."""
         self._engine = engine
         self._sql = sql
         self._every = CHECKPOINT_BYTES if every_bytes is None else every_bytes
+        self._database = database
         self._reset()
 
     def _reset(self) -> None:
@@ -114,6 +129,9 @@ class Checkpointer:
             return None
         try:
             cursor = connection.cursor()
+            if not self.room_to_finish(cursor):
+                cursor.close()
+                return None  # tried again in RETRY_SECONDS: the space goes to commits meanwhile
             row = cursor.execute(self._sql).fetchone()
             cursor.close()
             # (busy, frames in the -wal, frames copied): a reader's snapshot can hold some back.
@@ -125,6 +143,23 @@ class Checkpointer:
         finally:
             with contextlib.suppress(Exception):
                 connection.close()
+
+    def room_to_finish(self, cursor: Any) -> bool:
+        """Whether the file system can take the database's growth when the -wal is copied into it:
+        the pages the connection sees (``page_count``, the -wal's included) less the file's size."""
+        if self._database is None:
+            return True
+        try:
+            pages = cursor.execute("PRAGMA page_count").fetchone()[0]
+            page_size = cursor.execute("PRAGMA page_size").fetchone()[0]
+            growth = int(pages) * int(page_size) - os.path.getsize(self._database)
+            if growth <= 0:
+                return True
+            disk = os.statvfs(os.path.dirname(os.path.abspath(self._database)))
+        except (OSError, TypeError, ValueError):
+            return True  # unknown: let the checkpoint itself say
+        blocks = disk.f_bfree if os.geteuid() == 0 else disk.f_bavail  # root may use the reserved blocks
+        return bool(blocks * disk.f_frsize >= growth + ROOM_MARGIN)
 
     def close(self) -> None:
         """Stop the thread (a checkpoint under way finishes first)."""
