@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -59,6 +60,29 @@ OPENAPI_PATH = "/openapi.json"
 
 class _RolloutIds(PlainBody, forbid_unknown_fields=True):
     rollout_ids: list[str]
+
+
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _RolloutIdsDocumented(msgspec.Struct, forbid_unknown_fields=True):
+    """``_RolloutIds`` with the rules the route checks itself, for the OpenAPI document only
+    (the route's own checks keep their statuses: 422 for the count, 400 for an empty or repeated id)."""
+
+    rollout_ids: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1, max_length=MAX_IDS)
+    ]
+
+
+def _rollout_ids_body() -> dict[str, Any]:
+    extra = openapi.request_body(_RolloutIdsDocumented)
+    extra["requestBody"]["content"][JSON_MEDIA_TYPE]["schema"]["properties"]["rollout_ids"]["uniqueItems"] = True
+    return extra
+
+
+_ROLLOUT_ID_PARAMETER = {
+    "parameters": [{"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}]
+}
 
 
 def control_router(
@@ -154,6 +178,7 @@ def control_router(
         f"{ledger_root}/rollouts/{{rollout_id}}/manifest",
         guarded(manifest),
         methods=["GET"],
+        openapi_extra=_ROLLOUT_ID_PARAMETER,
         responses=openapi.responses(RolloutManifest, 400, 401, 410, 503),
     )
     for action, method in (("retire", ledger.retire), ("delete", ledger.delete)):
@@ -161,7 +186,7 @@ def control_router(
             f"{ledger_root}/rollouts/{action}",
             guarded(removal(method)),
             methods=["POST"],
-            openapi_extra=openapi.request_body(_RolloutIds),
+            openapi_extra=_rollout_ids_body(),
             responses=openapi.responses(RolloutRemoval, 400, 401, 408, 409, 413, 415, 422, 503),
         )
     return router
