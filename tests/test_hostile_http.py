@@ -284,3 +284,14 @@ def test_a_slow_decode_does_not_stall_other_requests(store: Any, monkeypatch: py
         server.should_exit = True
         thread.join(timeout=10)
         capture.close()
+
+
+def test_garbage_requests_do_not_flood_the_log(served: Served, baseline: Resources) -> None:
+    for _ in range(100):
+        with served.connect() as sock:
+            sock.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+            gone, answer = closed_by_peer(sock, 5)
+            assert gone and answer.startswith(b"HTTP/1.1 400 "), answer[:60]
+    time.sleep(0.2)  # the server's stderr reader catches up
+    lines = [line for line in served.stderr if "Invalid HTTP request" in line]
+    assert 1 <= len(lines) <= 10, f"{len(lines)} log lines for 100 garbage requests"

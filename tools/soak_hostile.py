@@ -248,7 +248,7 @@ def _schemathesis(base: str, examples: int, folder: Path) -> dict[str, Any] | st
     checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
     command = [binary, "run", f"{base}/openapi.json", "-H", f"Authorization: Bearer {TOKEN}", "-c", checks]
     command += ["-n", str(examples), "--report-junit-path", str(report)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=folder)  # its cache goes there
     summary = [line for line in done.stdout.splitlines() if "generated" in line or "passed" in line]
     text = report.read_text() if report.exists() else ""
     return {

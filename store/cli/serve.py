@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import resource
 import signal
@@ -134,7 +135,7 @@ def _server(app: Any, tls: tuple[str, str] | None, limits: dict[str, Any]) -> An
     store and exit with its code)."""
     import uvicorn
 
-    from store.http.serving import GuardedH11Protocol
+    from store.http.serving import GuardedH11Protocol, RateLimitedLog
 
     class Server(uvicorn.Server):
         def __init__(self, config: uvicorn.Config) -> None:
@@ -172,6 +173,7 @@ def _server(app: Any, tls: tuple[str, str] | None, limits: dict[str, Any]) -> An
         ssl_keyfile=tls[1] if tls else None,
         timeout_graceful_shutdown=int(limits["body_timeout"]) + 5,  # a stop never waits on a trickling peer
     )
+    logging.getLogger("uvicorn.error").addFilter(RateLimitedLog())  # a stranger's garbage must not flood the log
     return Server(config)
 
 

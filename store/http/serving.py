@@ -14,11 +14,17 @@ every few seconds, holds a file descriptor forever.  ``GuardedH11Protocol`` adds
   cut off at the deadline.
 
 The deadlines are absolute: bytes that trickle in do not extend them.
+
+``RateLimitedLog`` keeps uvicorn's own warnings (one per malformed request: "Invalid HTTP
+request received.") from letting a stranger write the server's log at the rate it sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 from typing import Any
 
 import h11
@@ -28,6 +34,34 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_HEADER_TIMEOUT = 10.0
 LINGER = 1.0  # past the route's own body deadline, so its 408 goes out before the connection is cut
+
+
+class RateLimitedLog(logging.Filter):
+    """Lets at most ``lines`` records through per ``window`` seconds; the next one to pass after
+    a window says how many were left out."""
+
+    def __init__(self, lines: int = 10, window: float = 10.0) -> None:
+        super().__init__()
+        self.lines, self.window = lines, window
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._passed = 0
+        self.left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._started >= self.window:
+                if self.left_out:
+                    record.msg = f"{record.getMessage()} ({self.left_out} more such lines not logged in the last "
+                    record.msg += f"{now - self._started:.0f} s)"
+                    record.args = ()
+                self._started, self._passed, self.left_out = now, 0, 0
+            if self._passed < self.lines:
+                self._passed += 1
+                return True
+            self.left_out += 1
+            return False
 
 
 def refusal_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
