@@ -142,7 +142,10 @@ def http_soak(rounds: int, quick: bool, examples: int) -> dict[str, Any]:
 
 
 def _merge(phases: dict[str, Counter[str]], name: str, counts: Counter[str]) -> None:
-    phases.setdefault(name, Counter()).update(counts)
+    """Counts add up over the rounds; a "slowest" figure is the slowest of any round."""
+    total = phases.setdefault(name, Counter())
+    for key, value in counts.items():
+        total[key] = max(total[key], value) if key.startswith("slowest") else total[key] + value
 
 
 def _flood(address: tuple[str, int], cap: int, header: float) -> Counter[str]:
