@@ -287,11 +287,15 @@ def test_a_slow_decode_does_not_stall_other_requests(store: Any, monkeypatch: py
 
 
 def test_garbage_requests_do_not_flood_the_log(served: Served, baseline: Resources) -> None:
+    time.sleep(0.2)
+    already = len(served.stderr)  # earlier tests' malformed requests were logged too
+    start = time.monotonic()
     for _ in range(100):
         with served.connect() as sock:
             sock.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
             gone, answer = closed_by_peer(sock, 5)
             assert gone and answer.startswith(b"HTTP/1.1 400 "), answer[:60]
     time.sleep(0.2)  # the server's stderr reader catches up
-    lines = [line for line in served.stderr if "Invalid HTTP request" in line]
-    assert 1 <= len(lines) <= 10, f"{len(lines)} log lines for 100 garbage requests"
+    lines = [line for line in served.stderr[already:] if "Invalid HTTP request" in line]
+    windows = 1 + int((time.monotonic() - start) // 10) + 1  # the limit's 10 s window may roll over meanwhile
+    assert len(lines) <= 10 * windows, f"{len(lines)} log lines for 100 garbage requests"
