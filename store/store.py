@@ -11,8 +11,10 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, TypeVar
 
 from store import arguments
-from store.append.log import EventLog, NewEvent, WriteTransaction
+from store.append.log import EventLog
+from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
+from store.append.transaction import WriteTransaction
 from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError
 from store.lifecycle import CallGate, operation, track_for_fork
 from store.lineage import export, tree, versions

@@ -20,7 +20,7 @@ from stage_worker import record_for
 
 import store as lib
 from store import StagedCallRecord, StageResult, Store, open_store
-from store.append import log as log_module
+from store.append import transaction as transaction_module
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -232,17 +232,17 @@ def test_one_callers_error_does_not_undo_the_rest_of_its_batch(store: Store, mon
         original_batch(batch)
 
     log._write_batch = gated  # type: ignore[method-assign]
-    original_project = log_module.WriteTransaction._project
+    original_project = transaction_module.WriteTransaction._project
 
     def failing_project(self: Any, event: Any, *args: Any, **kwargs: Any) -> None:
         original_project(self, event, *args, **kwargs)
         if event.rollout_id == "bad":
             raise RuntimeError(f"projection refused {event.model_call_id}")
 
-    monkeypatch.setattr(log_module.WriteTransaction, "_project", failing_project)
+    monkeypatch.setattr(transaction_module.WriteTransaction, "_project", failing_project)
     # Every stage projects through ``_project`` (PostgreSQL's first, lone stage would otherwise
     # send its rows in one guarded statement, not projected there).
-    monkeypatch.setattr(log_module.WriteTransaction, "guess_new_stream", lambda self, new: False)
+    monkeypatch.setattr(transaction_module.WriteTransaction, "guess_new_stream", lambda self, new: False)
     records = [make_record(rollout_id="bad" if t % 3 == 0 else "good", model_call_id=f"c{t}") for t in range(THREADS)]
     results: dict[int, StageResult | BaseException] = {}
 
@@ -295,7 +295,7 @@ def test_a_callers_insert_failing_in_the_database_fails_only_that_caller(
             sizes[-1] = len(batch)  # callers queued while it ran joined it
 
     log._write_batch = gated  # type: ignore[method-assign]
-    original_fold_keys = log_module.fold_keys
+    original_fold_keys = transaction_module.fold_keys
 
     def clashing_keys(event: Any) -> Any:
         added, removed = original_fold_keys(event)
@@ -304,7 +304,7 @@ def test_a_callers_insert_failing_in_the_database_fails_only_that_caller(
             added = {taken: state}
         return added, removed
 
-    monkeypatch.setattr(log_module, "fold_keys", clashing_keys)
+    monkeypatch.setattr(transaction_module, "fold_keys", clashing_keys)
     records = [make_record(rollout_id="bad" if t % 4 == 1 else "good", model_call_id=f"c{t}") for t in range(THREADS)]
     results: dict[int, StageResult | BaseException] = {}
 

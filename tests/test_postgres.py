@@ -18,8 +18,10 @@ from factories import make_record
 
 import store.log.engine as engine_module
 from store import ConfigurationError, RolloutFencedError, StageEntry, StorageError, Store, open_store
-from store.append.log import NewEvent, WriteTransaction, _Pending
+from store.append.log import _Pending
+from store.append.new_event import NewEvent
 from store.append.staging_rules import stage_event
+from store.append.transaction import WriteTransaction
 from store.log.engine import Statement, write_lock_id
 from store.log.events import EventKind, FailureBody
 from store.log.schema import SCHEMA_REVISION

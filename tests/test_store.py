@@ -384,15 +384,15 @@ def test_append_and_projection_commit_together(store_url: str, store: Store, mon
     kept = make_record(model_call_id="kept")
     assert store.stage(kept).ok
 
-    from store.append import log
+    from store.append import transaction
 
     def broken_projection(self: object, *args: object, **kwargs: object) -> None:
         raise RuntimeError("projection failed after the event insert")
 
-    monkeypatch.setattr(log.WriteTransaction, "_project", broken_projection)
+    monkeypatch.setattr(transaction.WriteTransaction, "_project", broken_projection)
     # The path that inserts the event, then projects it (PostgreSQL's lone stage of a new stream
     # sends all three rows in one guarded statement instead: tests/test_write_path.py).
-    monkeypatch.setattr(log.WriteTransaction, "guess_new_stream", lambda self, new: False)
+    monkeypatch.setattr(transaction.WriteTransaction, "guess_new_stream", lambda self, new: False)
     lost = make_record(model_call_id="lost")
     with pytest.raises(Exception, match="projection failed"):
         store.stage(lost)

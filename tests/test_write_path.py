@@ -20,7 +20,8 @@ import sqlalchemy as sa
 from factories import make_record
 
 from store import StagedCallRecord, StageEntry, StageResult, Store, StoreClosedError, open_store
-from store.append.log import KEYS_PER_STATEMENT, EventLog
+from store.append.log import EventLog
+from store.append.statements import KEYS_PER_STATEMENT
 from store.errors import RolloutFencedError, StagingRefusedError, StorageError, UnknownKeyError
 from store.lifecycle import CallGate
 from store.log import checkpointer as checkpointer_module
@@ -677,20 +678,20 @@ def test_a_durable_restage_on_postgres_commits_a_record_that_flushes_the_log(sto
 
 def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """stage() takes the writer role with the record's stored bytes ready: no encoding runs in the batch."""
-    from store.append import log as log_module
+    from store.append import new_event as new_event_module
 
     store = open_store(store_url)
     try:
         in_batch = threading.Event()
         calls: list[bool] = []
         for name in ("encode_ids", "encode_mask", "encode_floats", "encode_body"):
-            original = getattr(log_module, name)
+            original = getattr(new_event_module, name)
 
             def counting(value: Any, _original: Any = original) -> Any:
                 calls.append(in_batch.is_set())
                 return _original(value)
 
-            monkeypatch.setattr(log_module, name, counting)
+            monkeypatch.setattr(new_event_module, name, counting)
         write_batch = store._log._write_batch
 
         def flagged(batch: list[Any]) -> None:
@@ -712,7 +713,7 @@ def test_a_record_is_encoded_before_the_write_lock_and_once(store_url: str, monk
 def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A new record: one lookup (fence, key, call, version), then the event, the calls row and the
     key; on PostgreSQL a lone stage of a new stream sends those three in one guarded statement."""
-    from store.append.log import WriteTransaction
+    from store.append.transaction import WriteTransaction
 
     executed: list[str] = []
     guessed: list[bool] = []
@@ -767,7 +768,7 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
 ) -> None:
     """``NewEvent`` frames its checksum before the write lock; the append's bytes must be
     exactly those ``event_checksum`` (what every read verifies) hashes over the stored row."""
-    from store.append.log import NewEvent
+    from store.append.new_event import NewEvent
     from store.log.events import EventKind, FailureBody, record_body
     from store.projections.fold import generated_spans
     from store.wire.columns import event_checksum
@@ -840,7 +841,7 @@ def test_checksum_parts_frame_what_event_checksum_frames() -> None:
 
 def _counting_guesses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Notes whether each lone stage sent its guarded new-stream statement."""
-    from store.append.log import WriteTransaction
+    from store.append.transaction import WriteTransaction
 
     sent: list[bool] = []
     original = WriteTransaction.guess_new_stream
@@ -917,16 +918,16 @@ def test_a_failing_guessed_statement_writes_no_row_and_the_stage_reads_first(
     NOT NULL): none of its rows commit, and the stage is run again reading first."""
     if "://" not in store_url:
         pytest.skip("PostgreSQL only")
-    from store.append import log as log_module
+    from store.append import transaction as transaction_module
 
-    original = log_module.new_stream_values
+    original = transaction_module.new_stream_values
 
     def broken(*args: Any) -> dict[str, Any] | None:
         values = original(*args)
         assert values is not None
         return {**values, "c_state": None}
 
-    monkeypatch.setattr(log_module, "new_stream_values", broken)
+    monkeypatch.setattr(transaction_module, "new_stream_values", broken)
     sent = _counting_guesses(monkeypatch)
     store = open_store(store_url)
     try:

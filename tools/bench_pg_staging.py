@@ -51,7 +51,8 @@ from _bench_common import Report, Target, fsync_seconds, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
 from store import StagedCallRecord, open_store
-from store.append.log import EVENT_INSERT_COLUMNS, NewEvent, _Statements, new_stream_values
+from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent
+from store.append.statements import WriteStatements, new_stream_values
 from store.log import schema
 from store.log.engine import postgresql_backend
 from store.log.events import EventKind, record_body
@@ -214,7 +215,7 @@ class _RawStatementsSide:
     def __init__(self, url: str, name: str) -> None:
         open_store(url, schema=name).close()  # the store's schema, migrated
         engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
-        self.statements = _Statements(engine)
+        self.statements = WriteStatements(engine)
         engine.dispose()
         self.lock = postgresql_backend(name).begin_write_sql
         self.connection = psycopg.connect(conninfo(url), autocommit=True, options=f"-c search_path={name}")

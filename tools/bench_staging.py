@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, fsync_seconds, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
-from store.append.log import _stage_lookup
+from store.append.statements import stage_lookup_statement
 from store.log.events import encode_body, record_body
 from store.projections.fold import generated_spans
 from store.wire.columns import encode_floats, encode_ids, encode_mask, event_checksum
@@ -76,7 +76,7 @@ TARGET_GROWTH = 0.90
 FILL_TEMPLATES = 64  # distinct records the growth fill repeats under new capture keys
 FILL_BATCH = 2_000  # rows per fill transaction
 # The store's own read per stage (fence, key, calls row, stream version), compiled for SQLite.
-STAGE_LOOKUP = _stage_lookup(sa.create_engine("sqlite://"))
+STAGE_LOOKUP = stage_lookup_statement(sa.create_engine("sqlite://"))
 TARGET_MANY = 0.70
 WEIGHT_VERSION = 7
 

@@ -6,7 +6,8 @@ store), so both apply the same rules, fences included.
 
 from __future__ import annotations
 
-from store.append.log import NewEvent, WriteTransaction
+from store.append.new_event import NewEvent
+from store.append.transaction import WriteTransaction
 from store.errors import InvalidRecordError
 from store.wire.records import StageResult
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store.append.log import NewEvent
+from store.append.new_event import NewEvent
 from store.errors import InvalidRecordError
 from store.log import schema
 from store.log.engine import driver_errors, storage_error

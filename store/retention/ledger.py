@@ -19,7 +19,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from store import arguments
-from store.append.log import EventLog, NewEvent, WriteTransaction
+from store.append.log import EventLog
+from store.append.new_event import NewEvent
+from store.append.transaction import WriteTransaction
 from store.errors import InvalidRecordError, LedgerConflictError, RolloutFencedError, StoreError
 from store.lifecycle import CallGate, operation
 from store.log import schema

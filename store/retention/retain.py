@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store.append.log import NewEvent, WriteTransaction
+from store.append.new_event import NewEvent
+from store.append.transaction import WriteTransaction
 from store.log import schema
 from store.log.engine import Statement
 from store.log.events import RECORD_KINDS, EventKind, KeysClearedBody

@@ -16,8 +16,9 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from store.append.log import NewEvent, WriteTransaction
+from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
+from store.append.transaction import WriteTransaction
 from store.errors import StoreError
 from store.log import schema
 from store.log.engine import Statement

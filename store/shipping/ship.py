@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from store.append.log import WriteTransaction
+from store.append.transaction import WriteTransaction
 from store.errors import InvalidRecordError
 from store.queries.reads import Reader
 from store.shipping.receive import Received, Refused, ShipStatements, receive, resume_point

@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from store.append.log import NewEvent
+from store.append.new_event import NewEvent
 from store.errors import CorruptRecordError
 from store.log import schema
 from store.log.events import RECORD_KINDS, EventKind, WorkerBody, encode_body

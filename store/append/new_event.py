@@ -1,0 +1,103 @@
+"""An event to append, with its stored form (body, packed columns, checksum framing) encoded once,
+when it is built, so the write lock is taken with the bytes ready."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from store.log.events import EventKind, encode_body
+from store.wire.columns import CHECKSUMMED_COLUMNS, ChecksumParts, encode_floats, encode_ids, encode_mask
+from store.wire.digest import PackedColumns
+
+
+@dataclass(frozen=True, init=False)
+class NewEvent:
+    """An event to append; ``columns`` are stored packed beside the body."""
+
+    kind: EventKind
+    rollout_id: str
+    model_call_id: str
+    body: msgspec.Struct
+    staging_key: str | None = None
+    columns: PackedColumns | None = None
+    # The framework's own cleanup (``Store.retain``) withdraws keys of retired capture keys too.
+    past_fence: bool = False
+    recorded_at: float | None = None  # None: now; a shipped event keeps its origin's time
+    # The stored form (body, ids, mask, log-probs), encoded once when the event is built, so
+    # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
+    stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
+    size: int = field(init=False, repr=False, compare=False)  # bytes of the stored form (checkpoint pacing)
+    # Its checksum's framing, also made here: the append only frames version, pid and time.
+    checksum_parts: ChecksumParts = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        kind: EventKind,
+        rollout_id: str,
+        model_call_id: str,
+        body: msgspec.Struct,
+        staging_key: str | None = None,
+        columns: PackedColumns | None = None,
+        past_fence: bool = False,
+        recorded_at: float | None = None,
+    ) -> None:
+        # The fields are set as one ``__dict__`` (a frozen dataclass's own ``__init__`` sets
+        # each through ``object.__setattr__``; one event is built per staged record).
+        stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
+        encoded = encode_body(body)
+        if columns is None:
+            stored, size = (encoded, None, None, None), len(encoded)
+        else:
+            ids, mask = encode_ids(columns.token_ids), encode_mask(columns.token_mask)
+            log_probs = encode_floats(columns.log_probs)
+            stored, size = (encoded, ids, mask, log_probs), len(encoded) + len(ids) + len(mask) + len(log_probs)
+        parts = ChecksumParts(rollout_id, model_call_id, _KIND_VALUES[kind], staging_key, stored)
+        _set_attribute(
+            self,
+            "__dict__",
+            {
+                "kind": kind,
+                "rollout_id": rollout_id,
+                "model_call_id": model_call_id,
+                "body": body,
+                "staging_key": staging_key,
+                "columns": columns,
+                "past_fence": past_fence,
+                "recorded_at": recorded_at,
+                "stored": stored,
+                "size": size,
+                "checksum_parts": parts,
+            },
+        )
+
+
+_set_attribute = object.__setattr__
+# Each kind's plain string (``EventKind.value`` is an Enum property: several times a dict lookup).
+_KIND_VALUES: dict[EventKind, str] = {kind: kind._value_ for kind in EventKind}
+
+
+EVENT_INSERT_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum")  # every events column but seq
+
+
+def stored_event_row(new: NewEvent, version: int, pid: int, recorded_at: float) -> tuple[Any, ...]:
+    """The events row of ``new`` at ``version``, in ``EVENT_INSERT_COLUMNS`` order; its checksum
+    covers every column that says what the event is (``event_checksum``'s bytes)."""
+    body, token_ids, token_mask, log_probs = new.stored
+    checksum = new.checksum_parts.checksum(version, pid, recorded_at)
+    return (
+        new.rollout_id,
+        new.model_call_id,
+        version,
+        _KIND_VALUES[new.kind],
+        new.staging_key,
+        pid,
+        recorded_at,
+        body,
+        token_ids,
+        token_mask,
+        log_probs,
+        checksum,
+    )

@@ -1,0 +1,391 @@
+"""What a write function may do inside the shared write transaction (``WriteTransaction``): read
+the projections, append events and fold them in, under savepoints when it shares a batch."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Container, Sequence
+from typing import Any, NamedTuple
+
+from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, stored_event_row
+from store.append.statements import KEY_INSERT_COLUMNS, KEYS_PER_STATEMENT, WriteStatements, new_stream_values
+from store.errors import RolloutFencedError
+from store.log.engine import Statement
+from store.log.events import RECORD_KINDS, EventKind, decode_body
+from store.projections.fold import (
+    CALL_ROW_COLUMNS,
+    ROLLOUT_KINDS,
+    CallState,
+    Event,
+    KeyState,
+    RolloutState,
+    WorkerState,
+    affects_call,
+    fenced_kind,
+    filled,
+    fold_call,
+    fold_keys,
+    fold_receipt,
+    fold_rollout,
+    fold_worker,
+    worker_key,
+)
+
+
+class StageLookup(NamedTuple):
+    """What one stage found in the transaction (``WriteTransaction.stage_lookup``); a named
+    tuple: built once per stage inside the batch, where a frozen dataclass costs more."""
+
+    key: KeyState | None
+    call: CallState | None
+    last_version: int  # the stream's highest stream_version, 0 for a new stream
+
+
+# A transaction's read-ahead lookups before any: shared, never written (``WriteTransaction``).
+_NOTHING_AHEAD: dict[tuple[str, str, str], Any] = {}
+_NOTHING_AHEAD_BY_ROLLOUT: dict[str, list[tuple[str, str, str]]] = {}
+_NOTHING_AHEAD_BY_KEY: dict[str, tuple[str, str, str]] = {}
+
+
+class WriteTransaction:
+    """What a write function may do inside the shared transaction."""
+
+    def __init__(
+        self,
+        cursor: Any,
+        statements: WriteStatements,
+        pid: int | None = None,
+        *,
+        guess: bool = False,
+        known_streams: Container[tuple[str, str]] = (),
+    ) -> None:
+        self._cursor = cursor
+        self._sql = statements
+        self._pid = os.getpid() if pid is None else pid
+        # ``guess_new_stream`` may send its guarded statement (once, before anything else) for
+        # a stream not in ``known_streams`` (streams this writer saw exist: a guess would miss).
+        self._guess = guess and statements.stage_new is not None and hasattr(cursor, "side_cursor")
+        self._known_streams = known_streams
+        self.guessed: Any = None  # the cursor whose row says whether the guess held (None: none sent)
+        self.guessed_stream = ("", "")
+        self.streams: list[tuple[str, str]] = []  # streams found to exist or appended to (the log's hint)
+        self.appended = 0  # events appended so far (a durable batch that appended none must still sync)
+        self.appended_bytes = 0  # their stored size (paces WAL checkpoints)
+        # Capture keys found unfenced in this transaction; a fence appended here clears it.
+        self._unfenced: set[str] = set()
+        self.last_seq: int | None = None  # the sequence number of the last event appended
+        self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
+        # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
+        # Empty and shared until a read ahead makes the transaction its own (most never do).
+        self._ahead: dict[tuple[str, str, str], Any] = _NOTHING_AHEAD
+        self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_ROLLOUT
+        self._ahead_by_key: dict[str, tuple[str, str, str]] = _NOTHING_AHEAD_BY_KEY
+
+    def run(self, statement: Statement, values: dict[str, Any]) -> Any:
+        """Run another module's compiled statement in this transaction (retention, log shipping)."""
+        self._forget_all_ahead()  # it may change what a read-ahead lookup saw
+        return self._execute(statement, values)
+
+    def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
+        self._forget_all_ahead()
+        self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
+
+    def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
+        """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each) with one
+        statement, and take the seqs of ``appends`` events, in one round trip.  A lookup is
+        used by ``stage_lookup`` only while nothing written since could have changed it (no
+        event of its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
+        statement = self._sql.stage_lookups
+        side_cursor = getattr(self._cursor, "side_cursor", None)
+        if statement is None or side_cursor is None:
+            return
+        if self._takes_seqs:
+            self._cursor.reserve_seqs(appends)
+        wanted = list(dict.fromkeys(streams))
+        if not wanted:
+            return
+        values = {
+            "rollout_ids": [stream[0] for stream in wanted],
+            "model_call_ids": [stream[1] for stream in wanted],
+            "staging_keys": [stream[2] for stream in wanted],
+        }
+        cursor = side_cursor()
+        try:
+            rows = cursor.execute(statement.sql, statement.params(values)).fetchall()
+        finally:
+            cursor.close()
+        if self._ahead is _NOTHING_AHEAD:
+            self._ahead, self._ahead_by_rollout, self._ahead_by_key = {}, {}, {}
+        for stream, row in zip(wanted, rows, strict=True):
+            self._ahead[stream] = row
+            self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
+            self._ahead_by_key[stream[2]] = stream
+
+    def _forget_ahead(self, rollout_id: str, keys: Any) -> None:
+        """Drop read-ahead lookups an append made stale (its rollout's, or naming its keys)."""
+        if not self._ahead:
+            return
+        for stream in self._ahead_by_rollout.pop(rollout_id, ()):
+            self._ahead.pop(stream, None)
+        for key in keys:
+            named = self._ahead_by_key.pop(key, None)
+            if named is not None:
+                self._ahead.pop(named, None)
+
+    def _forget_all_ahead(self) -> None:
+        if self._ahead is _NOTHING_AHEAD:
+            return  # the shared empty dicts are never changed
+        self._ahead.clear()
+        self._ahead_by_rollout.clear()
+        self._ahead_by_key.clear()
+
+    def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
+        return self._cursor.execute(statement.sql, statement.params(values))
+
+    def _insert(self, statement: Statement, in_order: bool, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+        """Run an insert given its values in ``names``'s order: as they are where the driver binds
+        them in that order (``in_order``), else by name."""
+        if in_order:
+            return self._cursor.execute(statement.sql, values)
+        return self._execute(statement, dict(zip(names, values, strict=True)))
+
+    def key(self, staging_key: str) -> KeyState | None:
+        row = self._execute(self._sql.select_key, {"staging_key": staging_key}).fetchone()
+        return None if row is None else KeyState(*row)
+
+    def missing_keys(self, staging_keys: Sequence[str]) -> list[str]:
+        """The keys of ``staging_keys`` that hold no record, in order (one statement per
+        ``KEYS_PER_STATEMENT`` keys, not one per key)."""
+        wanted = list(dict.fromkeys(staging_keys))
+        held: set[str] = set()
+        for start in range(0, len(wanted), KEYS_PER_STATEMENT):
+            part = wanted[start : start + KEYS_PER_STATEMENT]
+            # Asked in statements of 1, 2, 4, ... keys (the last key repeated): a call cut again and
+            # again names one key more each time, and compiling a statement per count cost ~2 ms a cut.
+            size = 1 << (len(part) - 1).bit_length()
+            values = {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
+            held.update(row[0] for row in self._execute(self._sql.held_keys(size), values).fetchall())
+        return [key for key in wanted if key not in held]
+
+    def call(self, rollout_id: str, model_call_id: str) -> CallState | None:
+        row = self._execute(
+            self._sql.select_call, {"rollout_id": rollout_id, "model_call_id": model_call_id}
+        ).fetchone()
+        return None if row is None else CallState.from_row(dict(zip(self._sql.call_columns, row, strict=True)))
+
+    def receipt_seq(self, checkpoint_id: str, inventory_digest: str) -> int | None:
+        row = self._execute(
+            self._sql.select_receipt, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest}
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def stream_bodies(self, rollout_id: str, model_call_id: str) -> list[tuple[EventKind, Any]]:
+        """The decoded bodies of one stream's events, in order (the ledger's idempotency check)."""
+        values = {"rollout_id": rollout_id, "model_call_id": model_call_id}
+        rows = self._execute(self._sql.stream_bodies, values).fetchall()
+        decoded = []
+        for kind, body in rows:
+            event_kind = EventKind(kind)
+            decoded.append((event_kind, decode_body(event_kind, bytes(body))))
+        return decoded
+
+    def rollout(self, rollout_id: str) -> RolloutState | None:
+        row = self._execute(self._sql.select_rollout, {"rollout_id": rollout_id}).fetchone()
+        return None if row is None else RolloutState.from_row(row)
+
+    def check_fence(self, rollout_id: str) -> None:
+        """Refuse (``RolloutFencedError``) a write for a retired capture key.
+
+        Runs inside the write transaction, so a write queued in a batch behind the fence, or
+        in another process, sees it.  One indexed read per capture key per transaction.
+        """
+        if rollout_id in self._unfenced:
+            return
+        row = self._execute(self._sql.select_fence, {"rollout_id": rollout_id}).fetchone()
+        if row is not None and row[0]:
+            raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
+        self._unfenced.add(rollout_id)
+
+    def guess_new_stream(self, new: NewEvent) -> bool:
+        """PostgreSQL, a lone stage: send ``new`` (a record) as the first event of a new stream in
+        one guarded statement, without reading first; True if sent.  The statement writes exactly
+        what ``stage_lookup`` and ``append`` would for a new stream, and nothing if the stream,
+        the key or a fence exists (seen under the write lock, as the lookup would).  The log reads
+        its row after COMMIT (one round trip for the stage); no row: nothing was written and the
+        log runs the work again, with lookups (``EventLog._write_batch``)."""
+        if not self._guess:
+            return False
+        self._guess = False  # once, and only as the transaction's first statement after the lock
+        if self.appended or new.kind not in RECORD_KINDS or new.staging_key is None:
+            return False
+        if (new.rollout_id, new.model_call_id) in self._known_streams:
+            return False
+        values = new_stream_values(new, self._pid, time.time() if new.recorded_at is None else new.recorded_at)
+        if values is None:
+            return False
+        cursor = self._cursor.side_cursor()
+        cursor.execute(self._sql.stage_new, values)  # not waited for (pipeline)
+        self.guessed, self.guessed_stream = cursor, (new.rollout_id, new.model_call_id)
+        self.appended += 1
+        self.appended_bytes += new.size
+        return True
+
+    def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
+        """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
+        returns the staging key's row, the calls row and the stream's last version."""
+        row = None
+        if self._ahead:
+            row = self._ahead.pop((rollout_id, model_call_id, staging_key), None)
+        if row is None:
+            # PostgreSQL: the event's seq comes with this read (one statement fewer).
+            take_seq = self._takes_seqs and self._sql.stage_lookup_seq is not None and self._cursor.needs_seq()
+            statement = self._sql.stage_lookup_seq if take_seq else self._sql.stage_lookup
+            assert statement is not None
+            row = self._execute(
+                statement, {"rollout_id": rollout_id, "model_call_id": model_call_id, "staging_key": staging_key}
+            ).fetchone()
+            if take_seq:
+                self._cursor.give_seq(int(row[-1]))
+                row = row[:-1]
+        if row[2] is not None or row[6] or row[7] is not None:
+            self.streams.append((rollout_id, model_call_id))  # a guess would miss it
+        if rollout_id not in self._unfenced:
+            if row[0]:
+                raise RolloutFencedError(rollout_id, None if row[1] is None else int(row[1]))
+            self._unfenced.add(rollout_id)
+        key = None if row[2] is None else KeyState(int(row[2]), row[3], row[4], row[5])
+        call = None
+        if row[7] is not None:
+            call = CallState.from_row(dict(zip(self._sql.call_columns, row[7:], strict=True)))
+        return StageLookup(key, call, int(row[6] or 0))
+
+    def append(self, new: NewEvent, lookup: StageLookup | None = None) -> int:
+        """Append one event and fold it into the projections; returns its sequence number.
+
+        ``lookup``: what ``stage_lookup`` just read for this event's stream, in this
+        transaction with nothing appended since (saves reading the calls row and version again).
+        """
+        kind = new.kind
+        call: CallState | None
+        if lookup is not None:  # it refused a fenced capture key already
+            call = lookup.call if affects_call(kind) else None
+            last_version: int | None = lookup.last_version
+        else:
+            if fenced_kind(kind) and not new.past_fence:
+                self.check_fence(new.rollout_id)
+            call = self.call(new.rollout_id, new.model_call_id) if affects_call(kind) else None
+            last_version = None
+        if call is not None:
+            version = call.stream_version + 1  # the calls row tracks its stream's position
+        else:
+            if last_version is None:
+                values = {"rollout_id": new.rollout_id, "model_call_id": new.model_call_id}
+                last_version = self._execute(self._sql.stream_version, values).fetchone()[0] or 0
+            version = last_version + 1
+        recorded_at = time.time() if new.recorded_at is None else new.recorded_at
+        event_row = stored_event_row(new, version, self._pid, recorded_at)
+        sql = self._sql
+        if self._takes_seqs:
+            seq = int(self._cursor.take_seq())
+            stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
+            stored["seq"] = seq
+            self._execute(sql.insert_event_at, stored)  # not waited for (pipeline)
+        else:  # SQLite (PostgreSQL's pipelined cursor always takes seqs ahead)
+            seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).lastrowid)
+        self.appended += 1
+        self.appended_bytes += new.size
+        self.last_seq = seq
+        self.streams.append((new.rollout_id, new.model_call_id))
+        event = filled(
+            Event,
+            {
+                "seq": seq,
+                "kind": kind,
+                "rollout_id": new.rollout_id,
+                "model_call_id": new.model_call_id,
+                "stream_version": version,
+                "staging_key": new.staging_key,
+                "body": new.body,
+            },
+        )
+        self._project(event, call)
+        return seq
+
+    def _project(self, event: Event, current: CallState | None) -> None:
+        kind = event.kind
+        if kind in RECORD_KINDS:  # the staging path: a calls row and a key, nothing else
+            self._project_call(event, current)
+            self._project_keys(event)
+            return
+        if affects_call(kind):
+            self._project_call(event, current)
+        self._project_keys(event)
+        if kind in ROLLOUT_KINDS:
+            self._project_rollout(event)
+        receipt = fold_receipt(event)
+        if receipt is not None:
+            (checkpoint_id, inventory_digest), seq = receipt
+            self._execute(
+                self._sql.insert_receipt,
+                {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest, "event_seq": seq},
+            )
+        worker = worker_key(event)
+        if worker is not None:
+            self._project_worker(worker, event)
+
+    def _project_call(self, event: Event, current: CallState | None) -> None:
+        folded = fold_call(current, event)
+        if current is None:
+            self._insert(self._sql.insert_call, self._sql.call_tuple, CALL_ROW_COLUMNS, folded.row_values())
+            return
+        row = folded.to_row()
+        row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
+        self._execute(self._sql.update_call, row)
+
+    def _project_keys(self, event: Event) -> None:
+        added, removed = fold_keys(event)
+        if self._ahead:
+            self._forget_ahead(event.rollout_id, (*added, *removed))
+        for key in removed:
+            self._execute(self._sql.delete_key, {"staging_key": key})
+        for key, state in added.items():
+            # Callers append a record only under a key they found free in this transaction.
+            values = (key, state.event_seq, state.rollout_id, state.model_call_id, state.digest)
+            self._insert(self._sql.insert_key, self._sql.key_tuple, KEY_INSERT_COLUMNS, values)
+
+    def _project_worker(self, key: int, event: Event) -> None:
+        """Replace the ``workers`` row a worker event changes (rare: no update statement needed)."""
+        row = self._execute(self._sql.select_worker, {"key": key}).fetchone()
+        current = None if row is None else WorkerState(*row)
+        self._execute(self._sql.delete_worker, {"key": key})
+        self._execute(self._sql.insert_worker, fold_worker(current, event).to_row())
+
+    def _project_rollout(self, event: Event) -> None:
+        current = self.rollout(event.rollout_id)
+        folded = fold_rollout(current, event)
+        assert folded is not None
+        row = folded.to_row()
+        if current is None:
+            self._execute(self._sql.insert_rollout, row)
+        else:
+            row["b_rollout_id"] = event.rollout_id
+            self._execute(self._sql.update_rollout, row)
+        self._unfenced.discard(event.rollout_id)
+
+    def settle(self) -> None:
+        """Wait for every statement sent so far and raise the first failure (PostgreSQL sends
+        statements in a pipeline; SQLite has run them already)."""
+        settle = getattr(self._cursor, "settle", None)
+        if settle is not None:
+            settle()
+
+    def savepoint(self, name: str) -> None:
+        self._cursor.execute(f"SAVEPOINT {name}")
+
+    def release(self, name: str) -> None:
+        self._cursor.execute(f"RELEASE SAVEPOINT {name}")
+
+    def rollback_to(self, name: str) -> None:
+        self._forget_all_ahead()
+        self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")

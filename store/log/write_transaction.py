@@ -1,0 +1,204 @@
+"""The write transaction, per backend: the single begin path for writes on a raw DBAPI connection.
+
+SQLite: the commit mode, ``BEGIN IMMEDIATE``, the work, COMMIT.  PostgreSQL: BEGIN, the write
+lock, the work and COMMIT in one pipeline (psycopg 3), statements waited for only when read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from store.log.engine import Backend
+
+
+def raw_write_transaction(
+    dbapi_connection: Any, backend: Backend, *, durable: bool = True, mode_set: bool = False
+) -> AbstractContextManager[Any]:
+    """One write transaction on a raw DBAPI connection: the single begin path for writes.
+
+    ``durable=False`` commits without waiting for the disk (WAL ``synchronous=NORMAL``);
+    a later durable commit makes it durable too.  ``mode_set`` says the connection is
+    already in the wanted commit mode.
+    """
+    if backend.pipelined:
+        return _pipelined_write_transaction(dbapi_connection, backend, durable=durable)
+    return _WriteTransaction(dbapi_connection, backend, durable, mode_set)
+
+
+class _WriteTransaction:
+    """``raw_write_transaction`` on SQLite: the commit mode, BEGIN, the work, then COMMIT, or a
+    rollback if anything raised (BEGIN or COMMIT included); the cursor is closed either way.
+    A class, not a generator: one transaction per batch, a generator's frame per batch costs more."""
+
+    __slots__ = ("_backend", "_connection", "_cursor", "_durable", "_mode_set")
+
+    def __init__(self, dbapi_connection: Any, backend: Backend, durable: bool, mode_set: bool) -> None:
+        self._connection = dbapi_connection
+        self._backend = backend
+        self._durable = durable
+        self._mode_set = mode_set
+        self._cursor: Any = None
+
+    def __enter__(self) -> Any:
+        backend = self._backend
+        before, inside = backend.commit_mode_sql(self._durable)
+        cursor = self._cursor = self._connection.cursor()
+        try:
+            if before is not None and not self._mode_set:
+                cursor.execute(before)
+            cursor.execute(backend.begin_write_sql)
+            if inside is not None:
+                cursor.execute(inside)
+        except BaseException:
+            self._abandon()
+            raise
+        return cursor
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is not None:
+            self._abandon()
+            return
+        try:
+            self._connection.commit()
+        except BaseException:
+            self._abandon()
+            raise
+        self._cursor.close()
+
+    def _abandon(self) -> None:
+        try:
+            self._connection.rollback()
+        finally:
+            self._cursor.close()
+
+
+class DeferredStatementError(Exception):
+    """A statement of a pipelined write transaction failed, found only when it committed.
+
+    The transaction was rolled back; which caller's statement failed is unknown, so the
+    write path runs the batch again with each caller checked on its own (``settle``).
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@contextmanager
+def _pipelined_write_transaction(dbapi_connection: Any, backend: Backend, *, durable: bool) -> Iterator[Any]:
+    """``raw_write_transaction`` on PostgreSQL: BEGIN, the write lock, the work and COMMIT
+    in one pipeline.  A statement is waited for only when its result is read (a fetch) or
+    the caller settles; COMMIT goes out with the pipeline's closing sync, which returns
+    once the server has committed (``synchronous_commit`` as the session sets it).
+
+    psycopg is in autocommit for the transaction so that it sends no BEGIN of its own
+    (a round trip of its own); this BEGIN goes out in the pipeline.
+    """
+    _, inside = backend.commit_mode_sql(durable)
+    dbapi_connection.autocommit = True
+    cursor = dbapi_connection.cursor()
+    commit_sent = committed = False
+    pipelined: _PipelinedCursor | None = None
+    try:
+        with dbapi_connection.pipeline() as pipeline:
+            cursor.execute("BEGIN")
+            cursor.execute(backend.begin_write_sql)
+            if inside is not None:
+                cursor.execute(inside)
+            pipelined = _PipelinedCursor(cursor, pipeline, backend.next_seq_sql)
+            yield pipelined
+            # Every caller's work is queued.  An earlier statement's error can surface from here
+            # on: at the COMMIT's own queuing (the server's answer already arrived) or at the
+            # closing sync; either way whose statement failed is unknown.
+            commit_sent = True
+            cursor.execute("COMMIT")
+        committed = True
+    except dbapi_connection.Error as exc:
+        # COMMIT never ran when an earlier statement failed: the transaction is still open, in error.
+        if commit_sent and dbapi_connection.info.transaction_status == _IN_ERROR and not lock_wait_ended(exc):
+            raise DeferredStatementError(exc) from exc
+        raise
+    finally:
+        try:
+            if not committed:
+                dbapi_connection.rollback()
+        finally:
+            cursor.close()
+            if pipelined is not None:
+                pipelined.close()
+            if dbapi_connection.info.transaction_status == _IDLE:
+                dbapi_connection.autocommit = False  # the pool's usual mode for its next user
+
+
+class _PipelinedCursor:
+    """The write transaction's cursor in pipeline mode.
+
+    ``settle`` waits for every statement sent so far and raises the first one's error (a
+    caller's own statements).  ``reserve_seqs`` sends ``nextval`` for the next events on a
+    side cursor; its result arrives with the next read anyway, so ``take_seq`` rarely waits.
+    """
+
+    def __init__(self, cursor: Any, pipeline: Any, next_seq_sql: str | None) -> None:
+        self._cursor = cursor
+        self._pipeline = pipeline
+        self.execute = cursor.execute
+        self.executemany = cursor.executemany
+        self._next_seq_sql = next_seq_sql
+        self._seqs: list[int] = []  # taken, not yet used (ascending)
+        self._reserving: Any = None  # the side cursor whose nextval rows are on their way
+
+    @property
+    def takes_seqs(self) -> bool:
+        return self._next_seq_sql is not None
+
+    def settle(self) -> None:
+        self._pipeline.sync()
+
+    def side_cursor(self) -> Any:
+        """Another cursor of the transaction: its statement's rows stay apart from this one's."""
+        return self._cursor.connection.cursor()
+
+    def reserve_seqs(self, count: int) -> None:
+        """Send ``nextval`` for ``count`` events (fewer if some are already taken and unused)."""
+        wanted = count - len(self._seqs)
+        if self._reserving is not None or wanted <= 0 or self._next_seq_sql is None:
+            return
+        self._reserving = self.side_cursor()
+        if wanted == 1:
+            self._reserving.execute(self._next_seq_sql)
+        else:
+            self._reserving.execute(f"{self._next_seq_sql} FROM generate_series(1, {int(wanted)})")
+
+    def needs_seq(self) -> bool:
+        """No seq taken and unused, none on its way: the next event's can come with a read."""
+        return not self._seqs and self._reserving is None
+
+    def give_seq(self, seq: int) -> None:
+        """A seq a read took (``nextval`` in the stage lookup, under the write lock)."""
+        self._seqs.append(seq)
+
+    def take_seq(self) -> int:
+        """The next event's seq (taken under the write lock, like the identity default)."""
+        if not self._seqs:
+            self.reserve_seqs(1)
+            reserving, self._reserving = self._reserving, None
+            try:
+                self._seqs = sorted(int(row[0]) for row in reserving.fetchall())
+            finally:
+                reserving.close()
+        return self._seqs.pop(0)
+
+    def close(self) -> None:
+        if self._reserving is not None:
+            self._reserving.close()
+
+
+# psycopg.pq.TransactionStatus values (not imported: psycopg is an optional driver).
+_IDLE, _IN_ERROR = 0, 3
+
+
+def lock_wait_ended(exc: BaseException) -> bool:
+    """The write lock was not granted in time (``lock_timeout``): running again would wait again."""
+    return getattr(exc, "sqlstate", None) == "55P03"
