@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from store.errors import InvalidRecordError
+from store.errors import ConfigurationError, InvalidRecordError
+from store.log.engine import DEFAULT_POOL_SIZE
 from store.log.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Span, decode_body, encode_body
 from store.wire.columns import FloatColumn
 from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
@@ -51,6 +52,18 @@ def texts(name: str, values: Any) -> list[str]:
 def flag(name: str, value: Any) -> bool:
     if type(value) is not bool:
         raise InvalidRecordError(f"{name} must be True or False, got {_shown(value)}")
+    return value
+
+
+MAX_POOL_SIZE = 1000
+
+
+def pool_size(value: Any) -> int:
+    """``open_store(pool_size=...)``: None (the default, 1) or an int from 1 to ``MAX_POOL_SIZE``."""
+    if value is None:
+        return DEFAULT_POOL_SIZE
+    if type(value) is not int or not 1 <= value <= MAX_POOL_SIZE:
+        raise ConfigurationError(f"pool_size must be an int from 1 to {MAX_POOL_SIZE}, got {_shown(value)}")
     return value
 
 

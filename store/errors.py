@@ -43,6 +43,32 @@ class MigrationError(StorageError):
     """The schema could not be brought to the version this library needs."""
 
 
+class ServerUnavailableError(StorageError):
+    """The database server could not be reached: connection refused, no answer in the connect
+    timeout, or a name that does not resolve.  Nothing was written; retrying later is safe."""
+
+
+class ServerStartingError(ServerUnavailableError):
+    """The server answered that it cannot take connections now: it is starting up, shutting down
+    or recovering from a crash (SQLSTATE 57P03).  Nothing was written; retry once it is up."""
+
+
+class LockTimeoutError(StorageError):
+    """The store's write lock was not granted within the lock timeout (another writer held it
+    that long).  Nothing was written; retrying is safe."""
+
+
+class ConnectionLostError(StorageError):
+    """The connection to the server broke (or the server stopped answering within its deadline)
+    before the transaction's COMMIT was sent: nothing of it was committed; retrying is safe."""
+
+
+class CommitUncertainError(StorageError):
+    """The connection broke (or the server stopped answering) after COMMIT was sent and before
+    the server answered: the commit may or may not have happened.  Re-staging an identical
+    record is a no-op, so staging it again settles it either way."""
+
+
 class RolloutFencedError(StoreError):
     """A write for a capture key that was retired: the fence refuses it and nothing is written."""
 

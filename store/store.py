@@ -76,22 +76,27 @@ class Store:
         durability: str = "full",
         schema: str | None = None,
         read_only: bool = False,
+        pool_size: int | None = None,
     ) -> None:
         self._url, schema = split_schema(resolve_url(url_or_path), schema)
+        pool_size = arguments.pool_size(pool_size)
         self._durability = durability
         self._schema = schema
         self._store_id: str | None = None
         self._read_only = arguments.flag("read_only", read_only)
         self._calls = CallGate()
         self._engine, self._backend = create_store_engine(
-            self._url, self._durability, schema, read_only=self._read_only
+            self._url, self._durability, schema, read_only=self._read_only, pool_size=pool_size
         )
         self._log = EventLog(
             self._engine,
             self._backend,
-            durable=self._durability == "full",
+            # PostgreSQL has no commit that survives a crash of the server's processes without
+            # waiting for its WAL flush: "normal" commits records as "full" does there.
+            durable=self._durability == "full" or self._backend is not SQLITE,
             wal_path=wal_path(self._url),
             read_only=self._read_only,
+            hold_writer=self._backend is SQLITE or pool_size > 1,
         )
         self._reader = Reader(self._engine, self._backend)
         self._retention = removal.RetentionStatements(self._engine)
@@ -102,6 +107,7 @@ class Store:
                 check_schema(self._engine, self._url)  # never migrates: the store stays as it is
             else:
                 migrate(self._engine, self._backend, schema)
+                self._log.written_for(self._known_id())  # every event names the store it is for
         except BaseException:
             self._engine.dispose()
             raise
@@ -440,8 +446,9 @@ class Store:
         """Event ``seq``'s identity: (store that first staged it, its seq there); None if no such event."""
         if type(seq) is not int or seq < 1:
             raise InvalidRecordError(f"event_origin() takes a sequence number (an int >= 1), got {seq!r}")
+        store_id = self._known_id()  # before the connection: a store of one connection has no second
         with self._reader.connection("reading an event's origin") as connection:
-            return identity.event_origin(connection, self._known_id(), seq)
+            return identity.event_origin(connection, store_id, seq)
 
     def _write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
         """The write path for store.shipping (the target of a ship): staging's transaction and checks.
@@ -609,6 +616,7 @@ def open_store(
     durability: str = "full",
     schema: str | None = None,
     read_only: bool = False,
+    pool_size: int | None = None,
 ) -> Store:
     """Open (creating and migrating if needed) a store.
 
@@ -616,11 +624,15 @@ def open_store(
     ``schema`` when given (created and migrated on open), so several stores share a database.
     ``durability="full"`` (default) makes every acknowledged stage survive power loss;
     ``"normal"`` may lose the last commits on power loss (never on a process crash).
+    On PostgreSQL "normal" commits as "full" does (there is no commit that survives a
+    crash of the server's processes without waiting for its WAL flush).
     ``read_only=True`` creates, migrates and changes nothing: the store must exist with
     this library's schema (else ``StorageError``/``MigrationError``), and every write
-    raises ``ReadOnlyStoreError``.
+    raises ``ReadOnlyStoreError``.  ``pool_size`` (PostgreSQL; default 1): the most
+    connections the store holds at once, its writer's included; with one, stages and reads
+    take turns on it.  SQLite ignores it (a file has no connection limit).
     """
-    return Store(url_or_path, durability=durability, schema=schema, read_only=read_only)
+    return Store(url_or_path, durability=durability, schema=schema, read_only=read_only, pool_size=pool_size)
 
 
 def _names(ack: GenerationCutPrefixAck, rollout_id: str) -> bool:

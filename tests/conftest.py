@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
+import pg_cluster
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
@@ -70,3 +74,23 @@ def store_url(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str
 def store(store_url: str) -> Iterator[Store]:
     with open_store(store_url) as opened:
         yield opened
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[Path]:
+    """An ``initdb``'d data directory the test's own servers start from (``pg_cluster``)."""
+    reason = pg_cluster.why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = Path(tempfile.mkdtemp(prefix="store-pg-template-"))
+    try:
+        yield pg_cluster.make_template(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(pg_template: Path) -> Iterator[pg_cluster.Cluster]:
+    """A PostgreSQL server of the test's own, which it may stop, pause or kill (removed after)."""
+    with pg_cluster.running(pg_template) as server:
+        yield server

@@ -210,6 +210,8 @@ def test_migration_0002_rewrites_the_checksums_that_verify(store_url: str) -> No
             for table in set(sa.inspect(connection).get_table_names()) - REVISION_0001_TABLES:
                 connection.execute(sa.text(f"DROP TABLE {table}"))  # made by revisions after 0002
             connection.execute(sa.text("DROP INDEX ix_calls_continues"))  # made by revision 0006
+            for column in ("writer_host", "store_id"):  # made by revision 0008
+                connection.execute(sa.text(f"ALTER TABLE events DROP COLUMN {column}"))
     finally:
         engine.dispose()
 

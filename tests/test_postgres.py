@@ -3,6 +3,7 @@ and the sequence-order rule (events become visible in sequence order) on both ba
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import sqlite3
 import threading
@@ -17,7 +18,8 @@ from conftest import POSTGRES_URL, reset_postgres
 from factories import make_record
 
 import store.log.engine as engine_module
-from store import ConfigurationError, RolloutFencedError, StageEntry, StorageError, Store, open_store
+import store.log.postgres as postgres_module
+from store import ConfigurationError, LockTimeoutError, RolloutFencedError, StageEntry, StorageError, Store, open_store
 from store.append.log import _Pending
 from store.append.new_event import NewEvent
 from store.append.staging_rules import stage_event
@@ -159,6 +161,7 @@ def test_a_writer_gives_up_on_a_held_write_lock_and_close_does_not_hang(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(engine_module, "BUSY_TIMEOUT_MS", 300)
+    monkeypatch.setattr(postgres_module, "WAIT_LIMITS", dataclasses.replace(postgres_module.WAIT_LIMITS, lock=0.3))
     opened = open_store(store_url)
     outcome: list[BaseException | bool] = []
 
@@ -183,8 +186,8 @@ def test_a_writer_gives_up_on_a_held_write_lock_and_close_does_not_hang(
     assert not hung, "the writer or close() waited for the lock without a bound"
     assert time.monotonic() - started < 10
     [error] = outcome
-    assert isinstance(error, StorageError), error
-    assert "lock" in str(error).lower() or "locked" in str(error).lower(), error
+    assert isinstance(error, LockTimeoutError), error  # SQLite's busy timeout and PostgreSQL's lock_timeout
+    assert "write lock was not granted" in str(error), error
     assert _seqs(store_url) == []  # nothing was written
 
 
@@ -199,7 +202,9 @@ def test_staging_is_correct_on_a_database_whose_default_is_repeatable_read(pg_ur
     stores = [open_store(repeatable) for _ in range(4)]
     engine = stores[0]._engine
     with engine.connect() as connection:
-        assert connection.exec_driver_sql("SHOW default_transaction_isolation").scalar() == "read committed"
+        # The session's default stays the database's; every transaction of the store begins READ COMMITTED.
+        assert connection.exec_driver_sql("SHOW default_transaction_isolation").scalar() == "repeatable read"
+        assert connection.exec_driver_sql("SHOW transaction_isolation").scalar() == "read committed"
     records = [make_record(rollout_id=f"r{i}", model_call_id="c") for i in range(25)]
     barrier = threading.Barrier(len(stores))
     outcomes: list[Any] = []
@@ -327,8 +332,9 @@ def test_a_failing_statement_whose_result_is_never_read_fails_its_own_write_alon
     """On PostgreSQL the error only surfaces as the batch commits (nothing read it before): the
     batch runs again with each caller settled, so the caller that sent it gets it and the others
     commit.  ``error-first``: the server's error has arrived before COMMIT is queued, so queuing
-    COMMIT is what raises it (an idle server answers that fast; this once failed CI)."""
-    with open_store(store_url) as target:
+    COMMIT is what raises it (an idle server answers that fast; this once failed CI).  (Two
+    connections: ``_write_batch`` called directly keeps the writer's, as a leader does.)"""
+    with open_store(store_url, pool_size=2) as target:
         missing = Statement(sa.text("SELECT * FROM no_such_table WHERE x = :x"), target._engine)
 
         def bad(tx: WriteTransaction) -> int:
@@ -352,8 +358,9 @@ def test_a_failing_statement_whose_result_is_never_read_fails_its_own_write_alon
 def test_a_batch_reads_its_checks_ahead_and_never_uses_one_a_write_before_it_made_stale(store_url: str) -> None:
     """One group-commit batch: the same record twice (the second writes nothing), another record
     of the same call under its key (refused), and a stage queued behind a fence of its capture key
-    (refused) -- each decided on what the batch wrote before it, not on the lookups read ahead."""
-    with open_store(store_url) as target:
+    (refused) -- each decided on what the batch wrote before it, not on the lookups read ahead.
+    (Two connections: ``_write_batch`` called directly keeps the writer's, as a leader does.)"""
+    with open_store(store_url, pool_size=2) as target:
         first = make_record(rollout_id="r1", model_call_id="c1")
         other = make_record(rollout_id="r1", model_call_id="c1", generated=(30, 31))
         late = make_record(rollout_id="r3", model_call_id="c3")

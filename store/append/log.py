@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,12 +18,14 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy.engine import Engine
 
 from store import failpoints
+from store.append.new_event import this_writer
 from store.append.statements import WriteStatements
 from store.append.transaction import WriteTransaction
 from store.errors import ReadOnlyStoreError, StorageError, StoreClosedError, StoreError
 from store.lifecycle import repeat_through_interrupts
 from store.log.checkpointer import Checkpointer
 from store.log.engine import Backend, driver_errors, storage_error, sync_file
+from store.log.failures import connection_lost
 from store.log.write_transaction import DeferredStatementError, lock_wait_ended, raw_write_transaction
 
 T = TypeVar("T")
@@ -118,14 +119,19 @@ class EventLog:
         durable: bool = True,
         wal_path: str | None = None,
         read_only: bool = False,
+        hold_writer: bool = True,
     ) -> None:
         self._engine = engine
+        # Keep the writer connection between batches; False: check it out per batch, so a store
+        # of one pooled connection (PostgreSQL's default) shares it with its readers.
+        self._hold_writer = hold_writer
         self._read_only = read_only  # every write is refused before it is queued
         self._backend = backend
         self._durable = durable
         self._wal_path = wal_path  # SQLite: the -wal file a durable acknowledgement may have to sync
         self._statements = WriteStatements(engine)
-        self._pid = os.getpid()  # the events' writer_pid (a forked child sets its own)
+        # The events' writer_pid and writer_host (a forked child sets its own) and store_id.
+        self._appender = this_writer(None)
         self._checkpointer = (
             None
             if backend.checkpoint_sql is None or read_only
@@ -183,7 +189,11 @@ class EventLog:
         try:
             self._take_turn(pending)
             if self._leader is pending:
-                self._write_batch(self._batch)
+                try:
+                    self._write_batch(self._batch)
+                finally:
+                    if not self._hold_writer:
+                        self._return_writer()
         finally:
             repeat_through_interrupts(self._leave, pending)  # else the writer role stays taken
         if pending.error is not None:
@@ -374,7 +384,7 @@ class EventLog:
         guess = self._guessing and not isolate
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
             transaction = WriteTransaction(
-                cursor, self._statements, self._pid, guess=guess, known_streams=self._known_streams
+                cursor, self._statements, self._appender, guess=guess, known_streams=self._known_streams
             )
             if len(batch) > 1:  # a lone stage reads its lookup in the round trip of its BEGIN
                 streams = [stream for pending in batch for stream in pending.ahead]
@@ -413,6 +423,10 @@ class EventLog:
             transaction.streams.append(transaction.guessed_stream)
         if self._backend.pipelined:  # only a PostgreSQL stage guesses
             self._remember(transaction.streams)
+
+    def written_for(self, store_id: str) -> None:
+        """Name the store every event is appended for (``events.store_id``; the audit checks it)."""
+        self._appender = self._appender._replace(store_id=store_id)
 
     def _remember(self, streams: list[tuple[str, str]]) -> None:
         """Note streams seen to exist (most recent last; the oldest forgotten past ``KNOWN_STREAMS``)."""
@@ -457,8 +471,8 @@ class EventLog:
             if savepoint is not None:
                 transaction.settle()  # its own statements' errors are its own
         except self._driver_errors as exc:
-            if lock_wait_ended(exc):
-                raise  # the write lock, not this caller: the whole batch fails
+            if lock_wait_ended(exc) or connection_lost(exc):
+                raise  # the write lock or the connection, not this caller: the whole batch fails
             pending.error = storage_error("writing to the store", exc)
             pending.error.__cause__ = exc
         except Exception as exc:  # reported to its own caller; the batch's other work stands
@@ -511,6 +525,13 @@ class EventLog:
             with contextlib.suppress(Exception):  # the connection is being thrown away anyway
                 fairy.invalidate()
 
+    def _return_writer(self) -> None:
+        """The leader gives the writer connection back to the pool after its batch."""
+        fairy, self._fairy, self._connection = self._fairy, None, None
+        if fairy is not None:
+            with contextlib.suppress(*self._driver_errors):  # a broken connection is discarded by the pool
+                fairy.close()
+
     def release_writer(self) -> None:
         """Return the writer connection to the pool (before a fork: no connection is held in use)."""
         with self._lock:
@@ -533,7 +554,7 @@ class EventLog:
     def after_fork_in_child(self) -> None:
         """In a forked child: new locks and queue; the parent's connection is neither used nor closed."""
         self._reset_state()
-        self._pid = os.getpid()
+        self._appender = this_writer(self._appender.store_id)
         if self._checkpointer is not None:
             self._checkpointer.after_fork_in_child()
 

@@ -3,8 +3,10 @@ when it is built, so the write lock is taken with the bytes ready."""
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -26,6 +28,8 @@ class NewEvent:
     # The framework's own cleanup (``Store.retain``) withdraws keys of retired capture keys too.
     past_fence: bool = False
     recorded_at: float | None = None  # None: now; a shipped event keeps its origin's time
+    # None: the appending process; a shipped event keeps the (pid, host) of the one that wrote it.
+    written_by: tuple[int, str | None] | None = None
     # The stored form (body, ids, mask, log-probs), encoded once when the event is built, so
     # callers build their events before ``EventLog.write`` and the lock is taken with bytes ready.
     stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
@@ -43,6 +47,7 @@ class NewEvent:
         columns: PackedColumns | None = None,
         past_fence: bool = False,
         recorded_at: float | None = None,
+        written_by: tuple[int, str | None] | None = None,
     ) -> None:
         # The fields are set as one ``__dict__`` (a frozen dataclass's own ``__init__`` sets
         # each through ``object.__setattr__``; one event is built per staged record).
@@ -67,6 +72,7 @@ class NewEvent:
                 "columns": columns,
                 "past_fence": past_fence,
                 "recorded_at": recorded_at,
+                "written_by": written_by,
                 "stored": stored,
                 "size": size,
                 "checksum_parts": parts,
@@ -79,13 +85,41 @@ _set_attribute = object.__setattr__
 _KIND_VALUES: dict[EventKind, str] = {kind: kind._value_ for kind in EventKind}
 
 
-EVENT_INSERT_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum")  # every events column but seq
+# Every events column but seq: the checksummed ones, the checksum, then the provenance.
+EVENT_INSERT_COLUMNS = (*CHECKSUMMED_COLUMNS, "checksum", "writer_host", "store_id")
 
 
-def stored_event_row(new: NewEvent, version: int, pid: int, recorded_at: float) -> tuple[Any, ...]:
+class Writer(NamedTuple):
+    """Who appends (``WriteTransaction``): its pid and host, and the id of the store it writes to."""
+
+    pid: int
+    host: str | None
+    store_id: str | None
+
+
+def this_writer(store_id: str | None) -> Writer:
+    """This process as the writer of ``store_id``'s events (its host named once per process)."""
+    return Writer(os.getpid(), _host(), store_id)
+
+
+def _host() -> str:
+    global _HOST
+    if _HOST is None:
+        _HOST = socket.gethostname()
+    return _HOST
+
+
+_HOST: str | None = None
+
+
+def stored_event_row(new: NewEvent, version: int, writer: Writer, recorded_at: float) -> tuple[Any, ...]:
     """The events row of ``new`` at ``version``, in ``EVENT_INSERT_COLUMNS`` order; its checksum
-    covers every column that says what the event is (``event_checksum``'s bytes)."""
+    covers every column that says what the event is (``event_checksum``'s bytes).  A shipped
+    event keeps the pid and host it was written by (``written_by``)."""
     body, token_ids, token_mask, log_probs = new.stored
+    pid, host = writer.pid, writer.host
+    if new.written_by is not None:
+        pid, host = new.written_by
     checksum = new.checksum_parts.checksum(version, pid, recorded_at)
     return (
         new.rollout_id,
@@ -100,4 +134,6 @@ def stored_event_row(new: NewEvent, version: int, pid: int, recorded_at: float) 
         token_mask,
         log_probs,
         checksum,
+        host,
+        writer.store_id,
     )

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
-from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, stored_event_row
+from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, stored_event_row
 from store.log import schema
 from store.log.engine import (
     Statement,
@@ -262,11 +262,11 @@ def _lookup_columns(last_version: sa.ScalarSelect[Any]) -> list[sa.ColumnElement
     ]
 
 
-def new_stream_values(new: NewEvent, pid: int, recorded_at: float) -> dict[str, Any] | None:
+def new_stream_values(new: NewEvent, writer: Writer, recorded_at: float) -> dict[str, Any] | None:
     """The parameters of ``_stage_new_stream_sql`` for ``new`` (a record opening its stream):
     the rows ``append`` would write for it, folded the same way, the seq left to the statement.
     None if ``new`` adds other keys than its own or withdraws any (not a plain record)."""
-    event_row = stored_event_row(new, 1, pid, recorded_at)
+    event_row = stored_event_row(new, 1, writer, recorded_at)
     event = Event(0, new.kind, new.rollout_id, new.model_call_id, 1, new.staging_key, new.body)
     added, removed = fold_keys(event)
     if removed or new.staging_key is None or list(added) != [new.staging_key]:

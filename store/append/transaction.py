@@ -3,12 +3,11 @@ the projections, append events and fold them in, under savepoints when it shares
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Container, Sequence
 from typing import Any, NamedTuple
 
-from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, stored_event_row
+from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, stored_event_row, this_writer
 from store.append.statements import KEY_INSERT_COLUMNS, KEYS_PER_STATEMENT, WriteStatements, new_stream_values
 from store.errors import RolloutFencedError
 from store.log.engine import Statement
@@ -55,14 +54,14 @@ class WriteTransaction:
         self,
         cursor: Any,
         statements: WriteStatements,
-        pid: int | None = None,
+        writer: Writer | None = None,
         *,
         guess: bool = False,
         known_streams: Container[tuple[str, str]] = (),
     ) -> None:
         self._cursor = cursor
         self._sql = statements
-        self._pid = os.getpid() if pid is None else pid
+        self._writer = this_writer(None) if writer is None else writer
         # ``guess_new_stream`` may send its guarded statement (once, before anything else) for
         # a stream not in ``known_streams`` (streams this writer saw exist: a guess would miss).
         self._guess = guess and statements.stage_new is not None and hasattr(cursor, "side_cursor")
@@ -221,7 +220,7 @@ class WriteTransaction:
             return False
         if (new.rollout_id, new.model_call_id) in self._known_streams:
             return False
-        values = new_stream_values(new, self._pid, time.time() if new.recorded_at is None else new.recorded_at)
+        values = new_stream_values(new, self._writer, time.time() if new.recorded_at is None else new.recorded_at)
         if values is None:
             return False
         cursor = self._cursor.side_cursor()
@@ -284,7 +283,7 @@ class WriteTransaction:
                 last_version = self._execute(self._sql.stream_version, values).fetchone()[0] or 0
             version = last_version + 1
         recorded_at = time.time() if new.recorded_at is None else new.recorded_at
-        event_row = stored_event_row(new, version, self._pid, recorded_at)
+        event_row = stored_event_row(new, version, self._writer, recorded_at)
         sql = self._sql
         if self._takes_seqs:
             seq = int(self._cursor.take_seq())

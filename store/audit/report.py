@@ -17,6 +17,7 @@ CONTINUATION = "continuation"  # a continued call did not resume the cut it name
 STAGED_KEY = "staged_key"  # a staged key does not point at its own record
 PROJECTION = "projection"  # a projection row differs from a replay of the log
 TOMBSTONE = "tombstone"  # a delete's tombstone stands, but events it removed are still in the log
+MISPLACED = "misplaced"  # an event was written for another store (a pooler or a session setting sent it here)
 
 CODES = (
     STORAGE,
@@ -31,6 +32,7 @@ CODES = (
     STAGED_KEY,
     PROJECTION,
     TOMBSTONE,
+    MISPLACED,
 )
 
 

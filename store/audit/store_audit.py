@@ -31,6 +31,7 @@ from store.audit.report import (
     DIGEST,
     MAX_PROBLEMS,
     MISSING_PARENT,
+    MISPLACED,
     PARENT_LENGTH,
     PROJECTION,
     STAGED_KEY,
@@ -239,6 +240,8 @@ class _Audit:
         self.fully_deleted: set[str] = set()  # capture keys a (not ledger-only) delete emptied
         self.survivors: dict[str, list[tuple[int, EventKind]]] = {}
         self.orphans: set[int] = set()  # records already named as missing their parent
+        ids = connection.execute(sa.select(schema.store_identity.c.store_id)).scalars().all()
+        self.store_id = str(ids[0]) if len(ids) == 1 else None
 
     # --- the pass ---------------------------------------------------------------------------
 
@@ -304,6 +307,14 @@ class _Audit:
             self._unreadable(row, exc)
             return
         self.fold(event)
+        written_for = row.get("store_id")
+        if written_for is not None and written_for != self.store_id:
+            self.problem(
+                MISPLACED,
+                f"event {event.seq} was written for store {written_for}, not this one ({self.store_id}): "
+                "a pooler or a session's search_path sent it to the wrong schema; that store is missing it",
+                **_event_where(event),
+            )
         if event.rollout_id in self.deleted:
             self._deleted_stream(event)
         if event.kind is EventKind.CALL_ADMITTED:

@@ -24,6 +24,9 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
 
 from store.errors import ConfigurationError, MigrationError, StorageError
+from store.log import postgres
+from store.log.failures import connecting_failed, connection_lost, lock_timed_out
+from store.log.failures import storage_error as storage_error  # the write path and readers import it here
 from store.log.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
 
 DURABILITY_LEVELS = ("full", "normal")
@@ -63,6 +66,10 @@ class Backend:
     writer_setup_sql: tuple[str, ...] = ()
     writer_reset_sql: tuple[str, ...] = ()
     checkpoint_sql: str | None = None
+    # PostgreSQL: the write path's statements after BEGIN (``store.log.postgres``): the schema,
+    # then the transaction's limits, its synchronous_commit and the lock, durable and not.
+    search_path_sql: str | None = None
+    write_begin_sql: tuple[str, str] | None = None
 
     def commit_mode_sql(self, durable: bool) -> tuple[str | None, str | None]:
         """SQL to run before BEGIN and inside the transaction so its commit waits for the disk or not."""
@@ -73,8 +80,9 @@ class Backend:
 
 _SQLITE_DURABLE: tuple[str | None, str | None] = ("PRAGMA synchronous = FULL", None)
 _SQLITE_NOT_DURABLE: tuple[str | None, str | None] = ("PRAGMA synchronous = NORMAL", None)
+# PostgreSQL sets synchronous_commit in its ``write_begin_sql``.
 _POSTGRES_DURABLE: tuple[str | None, str | None] = (None, None)
-_POSTGRES_NOT_DURABLE: tuple[str | None, str | None] = (None, "SET LOCAL synchronous_commit = off")
+_POSTGRES_NOT_DURABLE: tuple[str | None, str | None] = (None, None)
 
 
 SQLITE = Backend(
@@ -93,14 +101,18 @@ def postgresql_backend(schema: str | None = None) -> Backend:
     One writer at a time per store, as on SQLite, and the identity value of every event is
     taken under that lock, so events become visible in sequence order (see ``Store``'s
     sequence-order rule).  Stores in other schemas of the database never wait for it.
+    Every setting a transaction needs is made inside it (``store.log.postgres``).
     """
+    lock = f"pg_advisory_xact_lock({write_lock_id(schema)})"
     return Backend(
         "postgresql",
-        f"SELECT pg_advisory_xact_lock({write_lock_id(schema)})",
+        postgres.lock_sql(write_lock_id(schema)),
         begin_snapshot_sql="SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY",
         force_commit_record_sql="SELECT txid_current()",
         pipelined=True,
         next_seq_sql="SELECT nextval(pg_get_serial_sequence('events', 'seq'))",
+        search_path_sql=postgres.search_path_sql(schema),
+        write_begin_sql=postgres.write_begin_sql(lock),
     )
 
 
@@ -190,8 +202,16 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
 
 
+DEFAULT_POOL_SIZE = 1  # PostgreSQL connections a store holds at most, its writer's included
+
+
 def create_store_engine(
-    url: URL, durability: str, schema: str | None = None, *, read_only: bool = False
+    url: URL,
+    durability: str,
+    schema: str | None = None,
+    *,
+    read_only: bool = False,
+    pool_size: int = DEFAULT_POOL_SIZE,
 ) -> tuple[Engine, Backend]:
     if durability not in DURABILITY_LEVELS:
         raise ConfigurationError(f"durability must be one of {DURABILITY_LEVELS}, got {durability!r}")
@@ -208,11 +228,18 @@ def create_store_engine(
         _configure_sqlite(engine, durability)
         return engine, SQLITE
     if backend_name == "postgresql":
-        engine = _create_engine(url, pool_pre_ping=True)
-        if read_only:
-            _configure_read_only_postgresql(engine, schema)
-        else:
-            _configure_postgresql(engine, durability, schema)
+        engine = _create_engine(
+            url,
+            pool_pre_ping=True,
+            pool_size=pool_size,
+            max_overflow=0,
+            # A caller waits this long for one of the store's connections, then gets a StorageError.
+            pool_timeout=postgres.WAIT_LIMITS.write,
+            connect_args=postgres.connect_arguments(url),
+            # Reads run in READ COMMITTED whatever the database's default (psycopg puts it in each BEGIN).
+            isolation_level="READ COMMITTED",
+        )
+        postgres.configure(engine, schema, read_only=read_only)
         return engine, postgresql_backend(schema)
     raise ConfigurationError(f"unsupported database {backend_name!r}; use a SQLite path or a postgresql:// URL")
 
@@ -290,34 +317,6 @@ def _read_only_sqlite_engine(url: URL) -> Engine:
     return _create_engine(url, creator=connect)
 
 
-def _configure_read_only_postgresql(engine: Engine, schema: str | None) -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Every transaction of this session is READ ONLY: the server refuses any write.
-        with dbapi_connection.cursor() as cursor:
-            cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
-            if schema is not None:
-                cursor.execute(f'SET search_path TO "{schema}"')
-        dbapi_connection.commit()
-
-
-def _configure_postgresql(engine: Engine, durability: str, schema: str | None) -> None:
-    synchronous_commit = "on" if durability == "full" else "off"
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        with dbapi_connection.cursor() as cursor:
-            cursor.execute(f"SET synchronous_commit = {synchronous_commit}")
-            # The write path reads what the writer before it committed once it holds the
-            # write lock: that needs READ COMMITTED, whatever the database's default is.
-            cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            # A lock wait gives up like SQLite's busy timeout (a StorageError), never hangs.
-            cursor.execute(f"SET lock_timeout = {int(BUSY_TIMEOUT_MS)}")
-            if schema is not None:
-                cursor.execute(f'SET search_path TO "{schema}"')
-        dbapi_connection.commit()
-
-
 class Statement:
     """A Core statement compiled once for a dialect, run on a raw DBAPI cursor (hot paths)."""
 
@@ -355,10 +354,6 @@ def sync_file(path: str) -> None:
         raise StorageError(f"syncing {path} failed: {exc}") from exc
     finally:
         os.close(descriptor)
-
-
-def storage_error(action: str, exc: BaseException) -> StorageError:
-    return StorageError(f"{action} failed: {type(exc).__name__}: {exc}")
 
 
 def driver_errors(engine: Engine) -> tuple[type[BaseException], ...]:
@@ -472,6 +467,8 @@ def read_only_error(url: URL, exc: BaseException) -> StorageError:
         return StorageError(f"cannot read {where}")
     if "does not exist" in reason:
         return StorageError(f"cannot connect to {where}: the database does not exist")
+    if connecting_failed(exc) or connection_lost(exc):
+        return storage_error(f"reading {where}", exc)
     if isinstance(exc, sa.exc.OperationalError):
         return StorageError(f"cannot connect to {where}")
     return StorageError(f"cannot read {where}")
@@ -487,6 +484,8 @@ def opening_error(url: URL, exc: BaseException) -> StorageError:
         problem = _sqlite_access_problem(path)
         if problem is not None:
             return StorageError(f"{problem} ({reason})")
+    elif connecting_failed(exc) or connection_lost(exc) or lock_timed_out(exc):
+        return storage_error(f"opening {url.render_as_string(hide_password=True)}", exc)
     elif isinstance(exc, sa.exc.OperationalError) and "connect" in reason:
         return StorageError(f"cannot connect to {url.render_as_string(hide_password=True)}: {reason}")
     return MigrationError(f"migrating the store schema failed: {reason}")

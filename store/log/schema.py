@@ -22,9 +22,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0006"
+SCHEMA_REVISION = "0008"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008")
 
 metadata = MetaData()
 
@@ -47,6 +47,11 @@ events = Table(
     Column("token_mask", LargeBinary, nullable=True),
     Column("log_probs", LargeBinary, nullable=True),
     Column("checksum", LargeBinary, nullable=False),
+    # Provenance, not covered by the checksum (revision 0008; NULL before it): the host that
+    # wrote the event (with writer_pid, kept across ships) and the id of the store it was
+    # written for (the audit reports an event found in another store).
+    Column("writer_host", String, nullable=True),
+    Column("store_id", String(36), nullable=True),
     UniqueConstraint("rollout_id", "model_call_id", "stream_version", name="uq_events_stream_version"),
 )
 

@@ -10,7 +10,11 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from store.log import postgres
 from store.log.engine import Backend
+from store.log.failures import COMMIT_SENT_ATTRIBUTE
+from store.log.postgres import CUT_ATTRIBUTE
+from store.log.watchdog import WATCHDOG
 
 
 def raw_write_transaction(
@@ -88,48 +92,65 @@ class DeferredStatementError(Exception):
 
 @contextmanager
 def _pipelined_write_transaction(dbapi_connection: Any, backend: Backend, *, durable: bool) -> Iterator[Any]:
-    """``raw_write_transaction`` on PostgreSQL: BEGIN, the write lock, the work and COMMIT
-    in one pipeline.  A statement is waited for only when its result is read (a fetch) or
-    the caller settles; COMMIT goes out with the pipeline's closing sync, which returns
-    once the server has committed (``synchronous_commit`` as the session sets it).
+    """``raw_write_transaction`` on PostgreSQL: BEGIN, the schema, the transaction's limits and
+    the write lock, the work and COMMIT in one pipeline.  A statement is waited for only when
+    its result is read (a fetch) or the caller settles; COMMIT goes out with the pipeline's
+    closing sync, which returns once the server has committed.
 
     psycopg is in autocommit for the transaction so that it sends no BEGIN of its own
-    (a round trip of its own); this BEGIN goes out in the pipeline.
+    (a round trip of its own); this BEGIN goes out in the pipeline.  The whole transaction
+    runs under the watchdog's write deadline; a driver error after COMMIT went out is marked
+    (``COMMIT_SENT_ATTRIBUTE``): a lost connection then may have committed.
     """
-    _, inside = backend.commit_mode_sql(durable)
-    dbapi_connection.autocommit = True
-    cursor = dbapi_connection.cursor()
-    commit_sent = committed = False
-    pipelined: _PipelinedCursor | None = None
+    assert backend.write_begin_sql is not None and backend.search_path_sql is not None
+    begin = backend.write_begin_sql[0 if durable else 1]
+    deadline = postgres.WAIT_LIMITS.write
+    watch = WATCHDOG.arm(dbapi_connection.fileno(), deadline)
+    cut = False
     try:
-        with dbapi_connection.pipeline() as pipeline:
-            cursor.execute("BEGIN")
-            cursor.execute(backend.begin_write_sql)
-            if inside is not None:
-                cursor.execute(inside)
-            pipelined = _PipelinedCursor(cursor, pipeline, backend.next_seq_sql)
-            yield pipelined
-            # Every caller's work is queued.  An earlier statement's error can surface from here
-            # on: at the COMMIT's own queuing (the server's answer already arrived) or at the
-            # closing sync; either way whose statement failed is unknown.
-            commit_sent = True
-            cursor.execute("COMMIT")
-        committed = True
-    except dbapi_connection.Error as exc:
-        # COMMIT never ran when an earlier statement failed: the transaction is still open, in error.
-        if commit_sent and dbapi_connection.info.transaction_status == _IN_ERROR and not lock_wait_ended(exc):
-            raise DeferredStatementError(exc) from exc
-        raise
-    finally:
+        dbapi_connection.autocommit = True
+        cursor = dbapi_connection.cursor()
+        commit_sent = committed = False
+        pipelined: _PipelinedCursor | None = None
         try:
-            if not committed:
-                dbapi_connection.rollback()
+            with dbapi_connection.pipeline() as pipeline:
+                cursor.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+                cursor.execute(backend.search_path_sql)
+                cursor.execute(begin)
+                pipelined = _PipelinedCursor(cursor, pipeline, backend.next_seq_sql)
+                yield pipelined
+                # Every caller's work is queued.  An earlier statement's error can surface from here
+                # on: at the COMMIT's own queuing (the server's answer already arrived) or at the
+                # closing sync; either way whose statement failed is unknown.
+                commit_sent = True
+                cursor.execute("COMMIT")
+            committed = True
+        except dbapi_connection.Error as exc:
+            cut = WATCHDOG.disarm(watch)
+            if cut:
+                setattr(exc, CUT_ATTRIBUTE, deadline)
+            if commit_sent:
+                setattr(exc, COMMIT_SENT_ATTRIBUTE, True)
+            # COMMIT never ran when an earlier statement failed: the transaction is still open, in error.
+            if commit_sent and dbapi_connection.info.transaction_status == _IN_ERROR and not lock_wait_ended(exc):
+                raise DeferredStatementError(exc) from exc
+            raise
         finally:
-            cursor.close()
-            if pipelined is not None:
-                pipelined.close()
-            if dbapi_connection.info.transaction_status == _IDLE:
-                dbapi_connection.autocommit = False  # the pool's usual mode for its next user
+            try:
+                if not committed and not dbapi_connection.broken:
+                    dbapi_connection.rollback()
+            except dbapi_connection.Error:
+                if not dbapi_connection.broken:
+                    raise
+            finally:
+                cursor.close()
+                if pipelined is not None:
+                    pipelined.close()
+                if dbapi_connection.info.transaction_status == _IDLE:
+                    dbapi_connection.autocommit = False  # the pool's usual mode for its next user
+    finally:
+        if not cut:
+            WATCHDOG.disarm(watch)
 
 
 class _PipelinedCursor:

@@ -205,7 +205,9 @@ def _apply(
         # A worker's leave names its join by seq: the join's seq in this store.
         joined = _target_seq(tx, statements, target_store_id, item.joined, batch)
         body = msgspec.structs.replace(new.body, joined_seq=joined)
-        new = NewEvent(new.kind, new.rollout_id, new.model_call_id, body, recorded_at=new.recorded_at)
+        new = NewEvent(
+            new.kind, new.rollout_id, new.model_call_id, body, recorded_at=new.recorded_at, written_by=new.written_by
+        )
     if new.kind in RECORD_KINDS:
         assert item.digest is not None
         result = stage_event(tx, new, item.digest)
@@ -227,6 +229,7 @@ def _apply(
                     cleared,
                     recorded_at=new.recorded_at,
                     past_fence=past_fence,
+                    written_by=new.written_by,
                 )
             )
     elif new.kind is EventKind.CUT_RECEIPT:

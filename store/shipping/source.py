@@ -109,4 +109,6 @@ def _new_event(event: Event, row: Mapping[str, Any], columns: Any) -> NewEvent:
         event.staging_key,
         columns,
         recorded_at=float(row["recorded_at"]),
+        # The process and host that first wrote it, kept across every hop (never the shipper's).
+        written_by=(int(row["writer_pid"]), row.get("writer_host")),
     )

@@ -1,0 +1,241 @@
+"""How the store talks to PostgreSQL: connection options, per-transaction settings, bounded waits.
+
+No session state.  A transaction-pooling PgBouncer hands each transaction of a client to
+whichever server session is free, so a ``SET`` made by one transaction (or at connect) may
+land in another client's session and be missing from the next one of this client.  So every
+setting a transaction depends on is made inside it, transaction-local (``set_config(...,
+true)``, ``SET LOCAL``): the schema (``search_path``), ``synchronous_commit``, the lock,
+statement and idle-in-transaction timeouts; isolation and read-only-ness go in each
+``BEGIN`` (psycopg's own connection attributes); and no statement is prepared on the server
+(``prepare_threshold=None``: a prepared statement lives in one server session).
+
+Every wait is bounded, on both ends (see ``WAIT_LIMITS``).  The server ends a session that
+sits idle in a write transaction (a client whose network died mid-write: its write lock is
+freed), cancels a statement that runs too long and gives up on the write lock after the
+lock timeout.  The client gives up connecting after the connect timeout, probes an idle
+connection with TCP keepalives, gives up on unacknowledged sends (``tcp_user_timeout``), and
+cuts any connection whose wait outlives its deadline (``store.log.watchdog``): a server that
+stopped answering with its kernel still acknowledging (SIGSTOP, a frozen VM) is noticed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine
+
+from store.log.watchdog import WATCHDOG
+
+
+@dataclass(frozen=True)
+class WaitLimits:
+    """Seconds each wait may take (documented in the README's PostgreSQL section)."""
+
+    connect: float = 10.0  # a new connection: TCP, startup and authentication
+    lock: float = 15.0  # the store's write lock (``lock_timeout``): then ``LockTimeoutError``
+    statement: float = 15.0  # one statement of a write transaction (``statement_timeout``)
+    idle_in_transaction: float = 5.0  # the server frees a write transaction's session idle this long
+    keepalive_idle: int = 10  # TCP keepalives on an idle connection: first probe after this,
+    keepalive_interval: int = 3  # then one every this many seconds,
+    keepalive_count: int = 3  # this many unanswered and the connection is dropped
+    tcp_user_timeout: float = 20.0  # sent data unacknowledged this long: the connection is dropped
+    read: float = 120.0  # one read statement, fetch, ping, commit or rollback (client side)
+    write_margin: float = 5.0  # a write transaction's deadline beyond its lock wait and statement limits
+
+    @property
+    def write(self) -> float:
+        """A whole write transaction (client side): the lock wait, its statements, COMMIT."""
+        return self.lock + self.statement + self.write_margin
+
+
+WAIT_LIMITS = WaitLimits()
+
+# psycopg.pq.TransactionStatus.IDLE (psycopg is an optional driver: not imported here).
+_IDLE = 0
+
+
+def connect_arguments(url: URL) -> dict[str, Any]:
+    """libpq and psycopg options for every connection; what the URL sets itself wins."""
+    limits = WAIT_LIMITS
+    defaults: dict[str, Any] = {
+        "connect_timeout": max(1, round(limits.connect)),
+        "keepalives": 1,
+        "keepalives_idle": limits.keepalive_idle,
+        "keepalives_interval": limits.keepalive_interval,
+        "keepalives_count": limits.keepalive_count,
+        "tcp_user_timeout": round(limits.tcp_user_timeout * 1000),
+    }
+    chosen = {name: value for name, value in defaults.items() if name not in url.query}
+    chosen["prepare_threshold"] = None  # no server-side prepared statements (a pooler's sessions are shared)
+    return chosen
+
+
+def search_path_sql(schema: str | None) -> str:
+    """Inside a transaction: the store's schema, or the server's default path (never a
+    session's ``SET``, which a pooler may have carried over from another client)."""
+    return "SET LOCAL search_path TO DEFAULT" if schema is None else f'SET LOCAL search_path TO "{schema}"'
+
+
+def _milliseconds(seconds: float) -> str:
+    return str(round(seconds * 1000))
+
+
+def write_begin_sql(lock: str) -> tuple[str, str]:
+    """The statement after BEGIN (and the schema) of a write transaction, for a durable commit
+    and a not-durable one: it sets the transaction's limits and ``synchronous_commit`` and
+    takes the write lock (``lock``: SQL that does), evaluated left to right, so the lock wait
+    runs under the ``lock_timeout`` set before it."""
+    limits = WAIT_LIMITS
+    limits_sql = (
+        f"set_config('statement_timeout', '{_milliseconds(limits.statement)}', true), "
+        f"set_config('idle_in_transaction_session_timeout', '{_milliseconds(limits.idle_in_transaction)}', true), "
+        f"set_config('lock_timeout', '{_milliseconds(limits.lock)}', true), "
+    )
+    durable = f"SELECT {limits_sql}set_config('synchronous_commit', 'on', true), {lock}"
+    not_durable = f"SELECT {limits_sql}set_config('synchronous_commit', 'off', true), {lock}"
+    return durable, not_durable
+
+
+def lock_sql(lock_id: int) -> str:
+    """Take the store's write lock, waiting at most the lock timeout (a transaction that is not
+    the write path's: migrations, the audit's quiet moment, a repairing replay)."""
+    lock = _milliseconds(WAIT_LIMITS.lock)
+    return f"SELECT set_config('lock_timeout', '{lock}', true), pg_advisory_xact_lock({lock_id})"
+
+
+def configure(engine: Engine, schema: str | None, *, read_only: bool) -> None:
+    """The store's settings on every connection of ``engine`` (see the module note); the
+    limits are ``WAIT_LIMITS`` as they are when the store opens."""
+    limits = WAIT_LIMITS
+    set_path = search_path_sql(schema)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Client-side: psycopg puts these in each BEGIN it sends, so no session keeps them.
+        if read_only:
+            dbapi_connection.read_only = True  # the server refuses any write
+        dbapi_connection.server_cursor_factory = _bounded_server_cursor()
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _before_execute(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        dbapi_connection = cursor.connection
+        if dbapi_connection.info.transaction_status == _IDLE and not dbapi_connection.autocommit:
+            # This statement begins a transaction: its schema goes first, in the same round trip.
+            with dbapi_connection.pipeline():
+                setter = dbapi_connection.cursor()
+                setter.execute(set_path)
+            setter.close()
+        conn.info["store_watch"] = WATCHDOG.arm(dbapi_connection.fileno(), limits.read)
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _after_execute(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        token = conn.info.pop("store_watch", None)
+        if token is not None:
+            WATCHDOG.disarm(token)
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: Any) -> None:
+        conn = context.connection
+        token = None if conn is None else conn.info.pop("store_watch", None)
+        if token is not None and WATCHDOG.disarm(token):
+            _mark_cut(context.original_exception, limits.read)
+
+    dialect = engine.dialect
+    dialect.do_ping = _bounded(dialect.do_ping, limits.read)  # type: ignore[method-assign,assignment]
+    dialect.do_rollback = _bounded(dialect.do_rollback, limits.read)  # type: ignore[method-assign,assignment]
+    dialect.do_commit = _bounded(dialect.do_commit, limits.read)  # type: ignore[method-assign,assignment]
+
+
+def _bounded(operation: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any]:
+    """``operation(dbapi_connection)`` under a deadline (the pool's ping and reset, commits)."""
+
+    def bounded(dbapi_connection: Any) -> Any:
+        fileno = _fileno(dbapi_connection)
+        if fileno is None:
+            return operation(dbapi_connection)
+        token = WATCHDOG.arm(fileno, seconds)
+        try:
+            result = operation(dbapi_connection)
+        except BaseException as exc:
+            if WATCHDOG.disarm(token):
+                _mark_cut(exc, seconds)
+            raise
+        WATCHDOG.disarm(token)
+        return result
+
+    return bounded
+
+
+def _fileno(dbapi_connection: Any) -> int | None:
+    """The connection's socket, or None when it has none (closed)."""
+    driver_connection = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    try:
+        return int(driver_connection.fileno())
+    except Exception:
+        return None
+
+
+CUT_ATTRIBUTE = "store_watchdog_cut"
+
+
+def _mark_cut(exc: BaseException, seconds: float) -> None:
+    """Note on the driver's error that the watchdog cut its connection (``failures.storage_error``)."""
+    with contextlib.suppress(AttributeError):
+        setattr(exc, CUT_ATTRIBUTE, seconds)
+
+
+def watchdog_cut(exc: BaseException) -> float | None:
+    """The deadline (seconds) after which the watchdog cut the connection ``exc`` came from, or None."""
+    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
+        seconds = getattr(candidate, CUT_ATTRIBUTE, None)
+        if seconds is not None:
+            return float(seconds)
+    return None
+
+
+_SERVER_CURSOR: Any = None
+
+
+def _bounded_server_cursor() -> Any:
+    """psycopg's server-side cursor (SQLAlchemy's ``yield_per`` streams) with each fetch under
+    the read deadline: a fetch is a round trip no ``*_cursor_execute`` event sees."""
+    global _SERVER_CURSOR
+    if _SERVER_CURSOR is None:
+        import psycopg
+
+        class BoundedServerCursor(psycopg.ServerCursor):
+            def fetchone(self) -> Any:
+                with _watched(self.connection):
+                    return super().fetchone()
+
+            def fetchmany(self, size: int = 0) -> Any:
+                with _watched(self.connection):
+                    return super().fetchmany(size)
+
+            def fetchall(self) -> Any:
+                with _watched(self.connection):
+                    return super().fetchall()
+
+        _SERVER_CURSOR = BoundedServerCursor
+    return _SERVER_CURSOR
+
+
+class _watched:
+    """A read deadline around one wait on ``connection``."""
+
+    __slots__ = ("_connection", "_token")
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+        self._token = 0
+
+    def __enter__(self) -> None:
+        self._token = WATCHDOG.arm(self._connection.fileno(), WAIT_LIMITS.read)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if WATCHDOG.disarm(self._token) and exc is not None:
+            _mark_cut(exc, WAIT_LIMITS.read)

@@ -1,0 +1,330 @@
+"""PostgreSQL servers and networks that fail, on a server of the test's own (``pg_cluster``).
+
+Each test starts a cluster from the session's template (about half a second), breaks it --
+a path that stops forwarding, a path that drops every packet, a server SIGSTOPped or
+SIGKILLed -- and checks what a writer sees and how long it waits.  The limits are shrunk
+(``WAIT_LIMITS``) so the bounds show in seconds; the defaults are the README's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pg_cluster
+import psycopg
+import pytest
+from factories import make_record
+from pg_cluster import Cluster
+from tcp_proxy import Proxy, can_blackhole
+
+import store.log.postgres as postgres_module
+from store import (
+    CommitUncertainError,
+    ConnectionLostError,
+    LockTimeoutError,
+    ServerStartingError,
+    ServerUnavailableError,
+    StorageError,
+    Store,
+    open_store,
+)
+from store.append.staging_rules import stage_event
+from store.append.transaction import WriteTransaction
+from store.log.engine import write_lock_id
+from store.log.events import EventKind
+
+# Small enough for a test, in the same proportions as the defaults.
+SHORT = dataclasses.replace(
+    postgres_module.WAIT_LIMITS,
+    connect=1.0,
+    lock=1.0,
+    statement=1.0,
+    idle_in_transaction=0.5,
+    keepalive_idle=1,
+    keepalive_interval=1,
+    keepalive_count=2,
+    tcp_user_timeout=2.0,
+    read=1.5,
+    write_margin=0.5,
+)
+
+
+@pytest.fixture
+def short_limits(monkeypatch: pytest.MonkeyPatch) -> postgres_module.WaitLimits:
+    monkeypatch.setattr(postgres_module, "WAIT_LIMITS", SHORT, raising=False)
+    return SHORT
+
+
+def _proxied(cluster: Cluster, proxy: Proxy) -> str:
+    return cluster.url().replace(f":{cluster.port}/", f":{proxy.port}/")
+
+
+@pytest.fixture
+def proxy(cluster: Cluster) -> Iterator[Proxy]:
+    forwarding = Proxy(cluster.port)
+    try:
+        yield forwarding
+    finally:
+        forwarding.close()
+
+
+def _event_count(cluster: Cluster) -> int:
+    return int(cluster.execute("SELECT count(*) FROM events")[0][0])  # type: ignore[call-overload]
+
+
+def _stall_mid_write(url: str, cut: Any) -> tuple[threading.Thread, list[BaseException | object], Store]:
+    """A store on ``url`` takes the write lock, then its network path fails (``cut()``) before
+    it commits.  Returns the writer's thread, its outcome and the store."""
+    stalled_store = open_store(url)
+    holding, stalled = threading.Event(), threading.Event()
+    outcome: list[BaseException | object] = []
+    record = make_record(rollout_id="stalled")
+
+    def work(tx: WriteTransaction) -> object:
+        tx.settle()  # the write lock is granted: the server holds it for this session
+        holding.set()
+        stalled.wait(10)
+        event = stalled_store._record_event(record, None, EventKind.CALL_COMPLETED, None, None)
+        return stage_event(tx, event, record.digest)
+
+    def write() -> None:
+        try:
+            outcome.append(stalled_store._write(work))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert holding.wait(10)
+    cut()
+    stalled.set()
+    return writer, outcome, stalled_store
+
+
+@pytest.mark.parametrize("failure", ["stall", "blackhole"])
+def test_a_writer_whose_path_dies_mid_write_does_not_block_the_others(
+    cluster: Cluster, proxy: Proxy, short_limits: postgres_module.WaitLimits, failure: str
+) -> None:
+    """The issue's fleet hang: a stager whose path dies holding the write lock.  The server ends
+    its idle session (idle_in_transaction_session_timeout) so the others write on within about
+    that time; the stalled writer itself gets an error within its write deadline, and close()
+    returns."""
+    if failure == "blackhole" and (reason := can_blackhole()) is not None:
+        pytest.skip(reason)
+    direct = open_store(cluster.url())
+    cut = proxy.stall if failure == "stall" else proxy.blackhole
+    writer, outcome, stalled_store = _stall_mid_write(_proxied(cluster, proxy), cut)
+    try:
+        started = time.monotonic()
+        assert direct.stage(make_record(rollout_id="other")).ok  # waits for the lock, then gets it
+        other_waited = time.monotonic() - started
+        writer.join(short_limits.write + 10)
+        stalled_waited = time.monotonic() - started
+        assert not writer.is_alive(), "the stalled writer never returned"
+        [error] = outcome
+        # Its stage lookup waited on the dead path, before any COMMIT went out: nothing committed.
+        assert isinstance(error, ConnectionLostError), error
+        assert "nothing was committed" in str(error)
+        closing = time.monotonic()
+        stalled_store.close()
+        closed_in = time.monotonic() - closing
+    finally:
+        direct.close()
+    # The server freed the lock about idle_in_transaction after the stall: well inside lock_timeout.
+    assert other_waited < short_limits.lock, other_waited
+    assert stalled_waited < short_limits.write + 3, stalled_waited
+    assert closed_in < 3, closed_in
+    # The stalled record never committed (the server rolled its session back); the other did.
+    assert _event_count(cluster) == 1
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_a_stopped_server_gives_every_writer_a_bounded_wait_then_an_error(
+    cluster: Cluster, short_limits: postgres_module.WaitLimits, pool_size: int
+) -> None:
+    """SIGSTOP of the whole server: its kernel keeps acknowledging, so only the client's own
+    deadlines end the waits.  A writer that holds its connection (``pool_size=2``) is cut at
+    the write deadline (``CommitUncertainError``: a lone stage sends its COMMIT before it
+    waits); one that checks its connection out per batch
+    (the default, one connection) has the pool's ping cut at the read deadline and then fails
+    to connect within the connect timeout (``ServerUnavailableError``).  A fresh open gets
+    ``ServerUnavailableError`` within the connect timeout, and once the server runs again the
+    same store stages without being reopened."""
+    opened = open_store(cluster.url(), pool_size=pool_size)
+    assert opened.stage(make_record(rollout_id="before")).ok
+    cluster.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises((ConnectionLostError, CommitUncertainError, ServerUnavailableError)) as stage_error:
+            opened.stage(make_record(rollout_id="during"))
+        stage_waited = time.monotonic() - started
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError) as open_error:
+            open_store(cluster.url())
+        open_waited = time.monotonic() - started
+    finally:
+        cluster.resume()
+    if pool_size == 1:
+        assert isinstance(stage_error.value, ServerUnavailableError), stage_error.value
+        assert stage_waited < short_limits.read + short_limits.connect + 2, stage_waited
+    else:
+        # A lone stage sends its whole transaction, COMMIT included, before it waits.
+        assert isinstance(stage_error.value, (ConnectionLostError, CommitUncertainError)), stage_error.value
+        assert "no answer from the server" in str(stage_error.value), stage_error.value
+        assert stage_waited < short_limits.write + 2, stage_waited
+    assert open_waited < short_limits.connect + 2, open_waited
+    assert "could not be reached" in str(open_error.value)
+    assert opened.stage(make_record(rollout_id="after")).ok  # a fresh connection, no reopen
+    assert len(opened.fetch([make_record(rollout_id="after").staging_key])) == 1
+    opened.close()
+
+
+def test_a_read_on_a_stopped_server_is_bounded_too(cluster: Cluster, short_limits: postgres_module.WaitLimits) -> None:
+    opened = open_store(cluster.url(), pool_size=2)
+    record = make_record()
+    assert opened.stage(record).ok
+    cluster.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError):
+            opened.fetch([record.staging_key])
+        waited = time.monotonic() - started
+    finally:
+        cluster.resume()
+    # The pool's ping, then the read itself, each under the read deadline.
+    assert waited < 2 * short_limits.read + 2, waited
+    assert [snapshot.digest for snapshot in opened.fetch([record.staging_key])] == [record.digest]
+    opened.close()
+
+
+# --- errors that say what happened ---------------------------------------------------------------
+
+
+def test_connection_refused_is_server_unavailable(cluster: Cluster) -> None:
+    cluster.stop()
+    with pytest.raises(ServerUnavailableError, match="could not be reached") as raised:
+        open_store(cluster.url())
+    assert not isinstance(raised.value, ServerStartingError)
+    assert "refused" in str(raised.value).lower()
+
+
+def test_a_server_starting_up_is_server_starting(cluster: Cluster) -> None:
+    """A server in crash recovery answers 57P03 ("the database system is starting up"): the
+    open says so.  Recovery is held still by SIGSTOPping the startup process."""
+    opened = open_store(cluster.url())
+    assert opened.stage(make_record()).ok
+    opened.close()
+    cluster.kill()
+    cluster.start(wait=False)
+    deadline = time.monotonic() + 20
+    error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            open_store(cluster.url()).close()
+        except ServerStartingError as exc:
+            error = exc
+            break
+        except ServerUnavailableError:  # not listening yet
+            time.sleep(0.01)
+            continue
+        cluster.kill()  # it finished recovery before we saw it: crash it again and look sooner
+        cluster.start(wait=False)
+    cluster.wait_ready()
+    assert error is not None, "never saw the server starting up"
+    assert "starting up" in str(error)
+
+
+def test_a_held_write_lock_is_a_lock_timeout(cluster: Cluster, short_limits: postgres_module.WaitLimits) -> None:
+    opened = open_store(cluster.url())
+    with psycopg.connect(cluster.conninfo()) as holder:
+        holder.execute(f"SELECT pg_advisory_xact_lock({write_lock_id(None)})")
+        started = time.monotonic()
+        with pytest.raises(LockTimeoutError, match="write lock was not granted"):
+            opened.stage(make_record())
+        waited = time.monotonic() - started
+    assert short_limits.lock - 0.5 < waited < short_limits.lock + 2, waited
+    assert opened.stage(make_record()).ok  # retrying is safe: nothing was written
+    opened.close()
+
+
+def test_a_connection_lost_during_commit_may_have_committed(cluster: Cluster) -> None:
+    """The session dies while COMMIT is in flight (a deferred trigger holds the commit open; the
+    test terminates the backend meanwhile): the writer cannot know whether it committed, and
+    says so (``CommitUncertainError``), never "nothing was written"."""
+    opened = open_store(cluster.url())
+    assert opened.stage(make_record(rollout_id="first")).ok
+    cluster.execute(
+        "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_sleep(5); RETURN NULL; END $$"
+    )
+    cluster.execute(
+        "CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON events DEFERRABLE INITIALLY DEFERRED "
+        "FOR EACH ROW EXECUTE FUNCTION slow_commit()"
+    )
+    outcome: list[BaseException | object] = []
+
+    def stage() -> None:
+        try:
+            outcome.append(opened.stage(make_record(rollout_id="second")))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    writer = threading.Thread(target=stage)
+    writer.start()
+    deadline = time.monotonic() + 10
+    terminated: list[Any] = []
+    while not terminated and time.monotonic() < deadline:
+        terminated = cluster.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query = 'COMMIT' AND state = 'active'"
+        )
+        time.sleep(0.02)
+    writer.join(10)
+    assert terminated, "the commit was never seen in flight"
+    [error] = outcome
+    assert isinstance(error, CommitUncertainError), error
+    assert "may or may not have happened" in str(error)
+    opened.close()
+
+
+# --- durability on a killed server ----------------------------------------------------------------
+
+
+def test_normal_durability_loses_no_acknowledged_record_when_the_server_is_killed(pg_template: Path) -> None:
+    """``durability="normal"`` used to commit with ``synchronous_commit = off`` on PostgreSQL: a
+    SIGKILL of the server's processes lost the last batches (its WAL writer, here asleep for
+    10 s, had not written them).  Now an acknowledged record has reached the WAL on the server
+    (written; with fsync, flushed) before ``stage`` returns, whatever the level."""
+    with pg_cluster.running(pg_template, {"wal_writer_delay": "10000ms"}) as server:
+        opened = open_store(server.url(), durability="normal")
+        acknowledged: list[str] = []
+        stop = threading.Event()
+
+        def stage(thread: int) -> None:
+            index = 0
+            while not stop.is_set():
+                record = make_record(rollout_id=f"t{thread}-{index}")
+                index += 1
+                try:
+                    if opened.stage(record).ok:
+                        acknowledged.append(record.staging_key)
+                except StorageError:
+                    return  # the server is gone
+
+        threads = [threading.Thread(target=stage, args=(thread,)) for thread in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)
+        server.kill()
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        opened.close()
+        server.start()
+        kept = {row[0] for row in server.execute("SELECT staging_key FROM staged_keys")}
+    assert len(acknowledged) > 50
+    assert [key for key in acknowledged if key not in kept] == []
