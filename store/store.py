@@ -23,7 +23,16 @@ from store.lineage import workers as worker_log
 from store.lineage.export import ExportReport
 from store.lineage.tree import RolloutLineage, RolloutSummary
 from store.lineage.versions import RolloutVersions, StaleReport
-from store.log.engine import SQLITE, check_schema, create_store_engine, migrate, resolve_url, split_schema, wal_path
+from store.log.engine import (
+    SQLITE,
+    check_schema,
+    create_store_engine,
+    learn_sessions,
+    migrate,
+    resolve_url,
+    split_schema,
+    wal_path,
+)
 from store.log.events import (
     AdmissionBody,
     Completion,
@@ -103,6 +112,7 @@ class Store:
         self._retain = retention_retain.RetainStatements(self._engine)
         self._pid = os.getpid()
         try:
+            learn_sessions(self._engine, self._backend)
             if self._read_only:
                 check_schema(self._engine, self._url)  # never migrates: the store stays as it is
             else:

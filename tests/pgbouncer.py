@@ -33,6 +33,7 @@ class Bouncer:
     """PgBouncer in ``pool_mode`` with ``pool_size`` server connections per database and user."""
 
     def __init__(self, server_port: int, pool_mode: str, pool_size: int = 2, max_clients: int = 2000) -> None:
+        self.pool_mode = pool_mode
         self.folder = Path(tempfile.mkdtemp(prefix="store-pgbouncer-"))
         self.port = free_port(PORTS)
         (self.folder / "users.txt").write_text('"postgres" ""\n')

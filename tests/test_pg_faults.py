@@ -128,8 +128,10 @@ def test_a_writer_whose_path_dies_mid_write_does_not_block_the_others(
         assert not writer.is_alive(), "the stalled writer never returned"
         [error] = outcome
         # Its stage lookup waited on the dead path, before any COMMIT went out: nothing committed.
-        assert isinstance(error, ConnectionLostError), error
-        assert "nothing was committed" in str(error)
+        # (Lost by TCP's own timeout rather than the deadline, the batch is tried once more on a
+        # new connection, which cannot reach the server through the dead path either.)
+        assert isinstance(error, (ConnectionLostError, ServerUnavailableError)), error
+        assert "nothing was" in str(error)
         closing = time.monotonic()
         stalled_store.close()
         closed_in = time.monotonic() - closing
@@ -137,7 +139,7 @@ def test_a_writer_whose_path_dies_mid_write_does_not_block_the_others(
         direct.close()
     # The server freed the lock about idle_in_transaction after the stall: well inside lock_timeout.
     assert other_waited < short_limits.lock, other_waited
-    assert stalled_waited < short_limits.write + 3, stalled_waited
+    assert stalled_waited < short_limits.write + short_limits.connect + 4, stalled_waited
     assert closed_in < 3, closed_in
     # The stalled record never committed (the server rolled its session back); the other did.
     assert _event_count(cluster) == 1
@@ -148,11 +150,9 @@ def test_a_stopped_server_gives_every_writer_a_bounded_wait_then_an_error(
     cluster: Cluster, short_limits: postgres_module.WaitLimits, pool_size: int
 ) -> None:
     """SIGSTOP of the whole server: its kernel keeps acknowledging, so only the client's own
-    deadlines end the waits.  A writer that holds its connection (``pool_size=2``) is cut at
-    the write deadline (``CommitUncertainError``: a lone stage sends its COMMIT before it
-    waits); one that checks its connection out per batch
-    (the default, one connection) has the pool's ping cut at the read deadline and then fails
-    to connect within the connect timeout (``ServerUnavailableError``).  A fresh open gets
+    deadlines end the waits.  A stage -- on a writer that holds its connection (``pool_size=2``)
+    or checks it out per batch (the default, one connection) -- is cut at the write deadline
+    (``CommitUncertainError``: a lone stage sends its COMMIT before it waits).  A fresh open gets
     ``ServerUnavailableError`` within the connect timeout, and once the server runs again the
     same store stages without being reopened."""
     opened = open_store(cluster.url(), pool_size=pool_size)
@@ -160,7 +160,7 @@ def test_a_stopped_server_gives_every_writer_a_bounded_wait_then_an_error(
     cluster.pause()
     try:
         started = time.monotonic()
-        with pytest.raises((ConnectionLostError, CommitUncertainError, ServerUnavailableError)) as stage_error:
+        with pytest.raises((ConnectionLostError, CommitUncertainError)) as stage_error:
             opened.stage(make_record(rollout_id="during"))
         stage_waited = time.monotonic() - started
         started = time.monotonic()
@@ -169,14 +169,10 @@ def test_a_stopped_server_gives_every_writer_a_bounded_wait_then_an_error(
         open_waited = time.monotonic() - started
     finally:
         cluster.resume()
-    if pool_size == 1:
-        assert isinstance(stage_error.value, ServerUnavailableError), stage_error.value
-        assert stage_waited < short_limits.read + short_limits.connect + 2, stage_waited
-    else:
-        # A lone stage sends its whole transaction, COMMIT included, before it waits.
-        assert isinstance(stage_error.value, (ConnectionLostError, CommitUncertainError)), stage_error.value
-        assert "no answer from the server" in str(stage_error.value), stage_error.value
-        assert stage_waited < short_limits.write + 2, stage_waited
+    # A lone stage sends its whole transaction, COMMIT included, before it waits.
+    assert isinstance(stage_error.value, (ConnectionLostError, CommitUncertainError)), stage_error.value
+    assert "no answer from the server" in str(stage_error.value), stage_error.value
+    assert stage_waited < short_limits.write + 2, stage_waited
     assert open_waited < short_limits.connect + 2, open_waited
     assert "could not be reached" in str(open_error.value)
     assert opened.stage(make_record(rollout_id="after")).ok  # a fresh connection, no reopen
@@ -328,3 +324,18 @@ def test_normal_durability_loses_no_acknowledged_record_when_the_server_is_kille
         kept = {row[0] for row in server.execute("SELECT staging_key FROM staged_keys")}
     assert len(acknowledged) > 50
     assert [key for key in acknowledged if key not in kept] == []
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_a_store_writes_on_after_a_server_restart_without_an_error(cluster: Cluster, pool_size: int) -> None:
+    """A restart ends every pooled connection (the server's FATAL message is waiting on each): the
+    next stage, at once and without a ping round trip per batch, finds its connection dead
+    before it sends anything and takes a new one; the caller sees no error."""
+    opened = open_store(cluster.url(), pool_size=pool_size)
+    assert opened.stage(make_record(rollout_id="before")).ok
+    cluster.restart()
+    assert opened.stage(make_record(rollout_id="after")).ok
+    assert [snapshot.digest for snapshot in opened.fetch([make_record(rollout_id="after").staging_key])] == [
+        make_record(rollout_id="after").digest
+    ]
+    opened.close()

@@ -72,6 +72,10 @@ def _stage_from_threads(stores: dict[str, Store]) -> tuple[dict[str, list[Staged
 def test_two_schemas_behind_a_pooler_keep_their_own_records(bouncer: Bouncer, cluster: Cluster) -> None:
     stores = {name: open_store(bouncer.url(), schema=name, pool_size=2) for name in ("team_a", "team_b")}
     try:
+        for target in stores.values():
+            # Transaction pooling was seen at open: no statement is prepared on a shared session.
+            assert target._backend.sessions is not None
+            assert target._backend.sessions.prepared is (bouncer.pool_mode == "session")
         staged, errors = _stage_from_threads(stores)
         assert errors == []
         for name, target in stores.items():

@@ -34,10 +34,12 @@ Targets (issue 12): store x1 >= 0.7x raw 1/txn; store x16 >= 0.5x raw 16/txn (me
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,7 @@ from _bench_common import Report, Target, fsync_seconds, parser
 from bench_staging import THREADS, TOKENS, _count_batches, build_records, raw_row
 
 from store import StagedCallRecord, open_store
-from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent
+from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer
 from store.append.statements import WriteStatements, new_stream_values
 from store.log import schema
 from store.log.engine import postgresql_backend
@@ -63,6 +65,7 @@ TARGET_1 = 0.7
 TARGET_MANY = 0.5
 _COLUMNS = EVENT_INSERT_COLUMNS
 EventRow = tuple[Any, ...]
+_STORE_ID = str(uuid.uuid4())
 
 
 def conninfo(url: str) -> str:
@@ -86,6 +89,8 @@ def event_row(record: StagedCallRecord) -> EventRow:
         "log_probs": lps,
     }
     values["checksum"] = event_checksum(values)
+    values["writer_host"] = socket.gethostname()  # the provenance the store keeps (not checksummed)
+    values["store_id"] = _STORE_ID
     return tuple(values[name] for name in _COLUMNS)
 
 
@@ -266,7 +271,8 @@ def guessed_params(record: StagedCallRecord, row: EventRow) -> dict[str, Any]:
     kind, key = EventKind.CALL_COMPLETED, record.staging_key
     new = NewEvent(kind, record.rollout_id, record.model_call_id, body, key, record.columns)
     event = dict(zip(_COLUMNS, row, strict=True))
-    values = new_stream_values(new, event["writer_pid"], event["recorded_at"])
+    writer = Writer(event["writer_pid"], event["writer_host"], event["store_id"])
+    values = new_stream_values(new, writer, event["recorded_at"])
     assert values is not None and values["e_checksum"] == event["checksum"]
     return values
 

@@ -25,10 +25,17 @@ from store.errors import ReadOnlyStoreError, StorageError, StoreClosedError, Sto
 from store.lifecycle import repeat_through_interrupts
 from store.log.checkpointer import Checkpointer
 from store.log.engine import Backend, driver_errors, storage_error, sync_file
-from store.log.failures import connection_lost
+from store.log.failures import COMMIT_SENT_ATTRIBUTE, connection_lost, driver_cause
+from store.log.postgres import looks_dead, watchdog_cut
 from store.log.write_transaction import DeferredStatementError, lock_wait_ended, raw_write_transaction
 
 T = TypeVar("T")
+
+
+def _lost_before_commit(exc: BaseException) -> bool:
+    """The connection broke (not by the watchdog's deadline) before COMMIT went out."""
+    cause = driver_cause(exc)
+    return connection_lost(exc) and watchdog_cut(exc) is None and not getattr(cause, COMMIT_SENT_ATTRIBUTE, False)
 
 
 class _FailedCaller(Exception):
@@ -342,7 +349,7 @@ class EventLog:
                 if pending.durable:
                     durable = True
                     break
-        isolate = False
+        isolate = reconnected = False
         # A lone stage while stages come one at a time (a batch of several reads ahead instead).
         self._guessing = len(batch) == 1 and batch[0].guess and self._expected <= 1 and self._backend.pipelined
         try:
@@ -361,6 +368,14 @@ class EventLog:
                     if isolate:
                         raise exc.cause from None
                     isolate = True  # a pipelined statement failed: find whose, each caller settled
+                except self._driver_errors as exc:
+                    if reconnected or not _lost_before_commit(exc):
+                        raise
+                    # The connection was dead before this batch sent its COMMIT (a server restart
+                    # the pool could not see: it pings only connections idle a while): nothing
+                    # committed, so the batch runs once more on a new connection.
+                    reconnected = True
+                    self._discard_writer()
         except BaseException as exc:
             if not isinstance(exc, StoreError):
                 self._discard_writer()  # the connection's state is unknown after a driver error
@@ -501,6 +516,8 @@ class EventLog:
         return error
 
     def _writer(self) -> Any:
+        if self._connection is not None and self._backend.pipelined and looks_dead(self._connection):
+            self._discard_writer()  # the server ended it while it waited for the next batch
         if self._connection is None:
             self._fairy = self._engine.raw_connection()
             # The driver's own connection: the write path is hot, the pool's proxy is not needed.

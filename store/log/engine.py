@@ -6,6 +6,7 @@ speaks portable SQLAlchemy Core.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import re
@@ -70,6 +71,8 @@ class Backend:
     # then the transaction's limits, its synchronous_commit and the lock, durable and not.
     search_path_sql: str | None = None
     write_begin_sql: tuple[str, str] | None = None
+    # PostgreSQL: whether statements may be prepared on the server (``learn_sessions``).
+    sessions: postgres.Sessions | None = None
 
     def commit_mode_sql(self, durable: bool) -> tuple[str | None, str | None]:
         """SQL to run before BEGIN and inside the transaction so its commit waits for the disk or not."""
@@ -230,7 +233,9 @@ def create_store_engine(
     if backend_name == "postgresql":
         engine = _create_engine(
             url,
-            pool_pre_ping=True,
+            # No ping on every checkout (a round trip per batch for a writer that checks its
+            # connection out per batch): ``postgres.configure`` pings one that sat idle.
+            pool_pre_ping=False,
             pool_size=pool_size,
             max_overflow=0,
             # A caller waits this long for one of the store's connections, then gets a StorageError.
@@ -239,8 +244,8 @@ def create_store_engine(
             # Reads run in READ COMMITTED whatever the database's default (psycopg puts it in each BEGIN).
             isolation_level="READ COMMITTED",
         )
-        postgres.configure(engine, schema, read_only=read_only)
-        return engine, postgresql_backend(schema)
+        sessions = postgres.configure(engine, schema, read_only=read_only)
+        return engine, dataclasses.replace(postgresql_backend(schema), sessions=sessions)
     raise ConfigurationError(f"unsupported database {backend_name!r}; use a SQLite path or a postgresql:// URL")
 
 
@@ -384,6 +389,16 @@ def current_revision(connection: sa.Connection) -> str | None:
     if not sa.inspect(connection).has_table("alembic_version"):
         return None
     return connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+
+
+def learn_sessions(engine: Engine, backend: Backend) -> None:
+    """PostgreSQL, at open: prepare statements unless a pooler multiplexes server sessions."""
+    if backend.sessions is None:
+        return
+    try:
+        backend.sessions.prepared = not postgres.multiplexed(engine)
+    except driver_errors(engine) as exc:
+        raise opening_error(engine.url, exc) from exc
 
 
 def migrate(engine: Engine, backend: Backend, schema: str | None = None) -> None:

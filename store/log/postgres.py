@@ -6,8 +6,10 @@ land in another client's session and be missing from the next one of this client
 setting a transaction depends on is made inside it, transaction-local (``set_config(...,
 true)``, ``SET LOCAL``): the schema (``search_path``), ``synchronous_commit``, the lock,
 statement and idle-in-transaction timeouts; isolation and read-only-ness go in each
-``BEGIN`` (psycopg's own connection attributes); and no statement is prepared on the server
-(``prepare_threshold=None``: a prepared statement lives in one server session).
+``BEGIN`` (psycopg's own connection attributes).  A prepared statement lives in one server
+session, so statements are prepared (psycopg's default, which the write path's throughput
+needs: planning its statements anew costs a third of a lone stage's time on a fast disk) only
+when the open found no pooler multiplexing sessions (``multiplexed``); else none is.
 
 Every wait is bounded, on both ends (see ``WAIT_LIMITS``).  The server ends a session that
 sits idle in a write transaction (a client whose network died mid-write: its write lock is
@@ -21,12 +23,15 @@ stopped answering with its kernel still acknowledging (SIGSTOP, a frozen VM) is 
 from __future__ import annotations
 
 import contextlib
+import select
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import DisconnectionError
 
 from store.log.watchdog import WATCHDOG
 
@@ -69,9 +74,7 @@ def connect_arguments(url: URL) -> dict[str, Any]:
         "keepalives_count": limits.keepalive_count,
         "tcp_user_timeout": round(limits.tcp_user_timeout * 1000),
     }
-    chosen = {name: value for name, value in defaults.items() if name not in url.query}
-    chosen["prepare_threshold"] = None  # no server-side prepared statements (a pooler's sessions are shared)
-    return chosen
+    return {name: value for name, value in defaults.items() if name not in url.query}
 
 
 def search_path_sql(schema: str | None) -> str:
@@ -107,11 +110,22 @@ def lock_sql(lock_id: int) -> str:
     return f"SELECT set_config('lock_timeout', '{lock}', true), pg_advisory_xact_lock({lock_id})"
 
 
-def configure(engine: Engine, schema: str | None, *, read_only: bool) -> None:
+@dataclass
+class Sessions:
+    """What the open learnt of the server's sessions: may this engine prepare statements?"""
+
+    prepared: bool = False  # until the open has looked (``multiplexed``)
+
+
+PREPARE_THRESHOLD = 5  # psycopg's default: a statement run this often is prepared
+
+
+def configure(engine: Engine, schema: str | None, *, read_only: bool) -> Sessions:
     """The store's settings on every connection of ``engine`` (see the module note); the
     limits are ``WAIT_LIMITS`` as they are when the store opens."""
     limits = WAIT_LIMITS
     set_path = search_path_sql(schema)
+    sessions = Sessions()
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -119,6 +133,7 @@ def configure(engine: Engine, schema: str | None, *, read_only: bool) -> None:
         if read_only:
             dbapi_connection.read_only = True  # the server refuses any write
         dbapi_connection.server_cursor_factory = _bounded_server_cursor()
+        dbapi_connection.prepare_threshold = PREPARE_THRESHOLD if sessions.prepared else None
 
     @event.listens_for(engine, "before_cursor_execute")
     def _before_execute(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
@@ -145,9 +160,69 @@ def configure(engine: Engine, schema: str | None, *, read_only: bool) -> None:
             _mark_cut(context.original_exception, limits.read)
 
     dialect = engine.dialect
-    dialect.do_ping = _bounded(dialect.do_ping, limits.read)  # type: ignore[method-assign,assignment]
+    ping = _bounded(dialect.do_ping, limits.read)
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
+        record.info["store_returned"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        # A connection back from its last user moments ago is alive (if not, the write path's
+        # retry or the caller's error handles it); one that sat idle -- across a server
+        # restart, say -- is pinged first, and a dead one is replaced before anyone uses it.
+        if looks_dead(dbapi_connection):
+            raise DisconnectionError("the server closed the pooled connection")
+        returned = record.info.get("store_returned")
+        if returned is None or time.monotonic() - returned < PING_IDLE_SECONDS:
+            return
+        try:
+            alive = ping(dbapi_connection)
+        except Exception as exc:
+            raise DisconnectionError(f"the pooled connection is gone: {exc}") from exc
+        if not alive:
+            raise DisconnectionError("the pooled connection is gone")
+
     dialect.do_rollback = _bounded(dialect.do_rollback, limits.read)  # type: ignore[method-assign,assignment]
     dialect.do_commit = _bounded(dialect.do_commit, limits.read)  # type: ignore[method-assign,assignment]
+    return sessions
+
+
+def multiplexed(engine: Engine, rounds: int = 3) -> bool:
+    """Whether a pooler hands one server session to several client connections (PgBouncer's
+    transaction or statement pooling): two connections of our own ask for their server
+    process, in turn; the same process behind both, or a different one behind the same
+    connection, is a pooler multiplexing sessions.  (A pooler that happened to hand them
+    different sessions every time goes unseen; then a prepared statement fails loudly, never
+    silently: every setting a transaction needs is in the transaction.)"""
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    cparams = {**cparams, **connect_arguments(engine.url), "prepare_threshold": None, "autocommit": True}
+    first = engine.dialect.loaded_dbapi.connect(*cargs, **cparams)
+    try:
+        second = engine.dialect.loaded_dbapi.connect(*cargs, **cparams)
+        try:
+            seen: dict[int, set[int]] = {0: set(), 1: set()}
+            for _ in range(rounds):
+                for index, connection in enumerate((first, second)):
+                    seen[index].add(int(connection.execute("SELECT pg_backend_pid()").fetchone()[0]))
+        finally:
+            second.close()
+    finally:
+        first.close()
+    return len(seen[0]) > 1 or len(seen[1]) > 1 or bool(seen[0] & seen[1])
+
+
+def looks_dead(dbapi_connection: Any) -> bool:
+    """An idle connection with something to read is one the server ended (its FATAL message and
+    end of stream: a restart, a terminated backend), or a broken or closed one; no round trip."""
+    fileno = _fileno(dbapi_connection)
+    if fileno is None or getattr(dbapi_connection, "broken", False):
+        return True
+    try:
+        readable, _, _ = select.select([fileno], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _bounded(operation: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any]:
@@ -179,6 +254,7 @@ def _fileno(dbapi_connection: Any) -> int | None:
         return None
 
 
+PING_IDLE_SECONDS = 1.0  # a pooled connection idle this long is pinged before it is handed out
 CUT_ATTRIBUTE = "store_watchdog_cut"
 
 
