@@ -55,6 +55,24 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+def optional_count(name: str, value: Any) -> int | None:
+    """None, or an int of at least 1 (``ship(limit=...)``)."""
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise InvalidRecordError(f"{name} must be an int of at least 1, or None; got {_shown(value)}")
+    return value
+
+
+def optional_seconds(name: str, value: Any) -> float | None:
+    """None, or a finite number of seconds above 0 (``ship(deadline=...)``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InvalidRecordError(f"{name} must be a number of seconds above 0, or None; got {_shown(value)}")
+    return float(value)
+
+
 MAX_POOL_SIZE = 1000
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -60,6 +62,7 @@ from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnaps
 if TYPE_CHECKING:
     from store.audit import AuditReport
     from store.shipping import EventOrigin, ShipReport
+    from store.shipping.ship import Bounds
 
 T = TypeVar("T")
 
@@ -420,20 +423,68 @@ class Store:
     # --- log shipping (store.shipping) --------------------------------------------------------
 
     @operation
-    def ship(self, to: Store, *, progress: Callable[[int, int], object] | None = None) -> ShipReport:
+    def ship(
+        self,
+        to: Store,
+        *,
+        progress: Callable[[int, int], object] | None = None,
+        limit: int | None = None,
+        deadline: float | None = None,
+    ) -> ShipReport:
         """Copy this store's events not yet in ``to`` into it, verified, keeping their identity.
 
         Idempotent and resumable; stops at the first conflict or damaged event and reports it.
-        ``progress(done, total)`` is called with source events done as batches commit.
+        Goes up to this store's last event when it began (later ones wait for the next ship),
+        at most ``limit`` events, and starts no batch after ``deadline`` seconds: the report's
+        ``remaining`` and ``stopped`` say what is left and why.  ``progress(done, total)`` is
+        called with source events done as batches commit.
         """
+        from store.shipping.ship import Bounds  # loaded when a ship runs
+
+        limit = arguments.optional_count("limit", limit)
+        ends = arguments.optional_seconds("deadline", deadline)
+        return self._ship(to, progress, Bounds(limit=limit, deadline=None if ends is None else time.monotonic() + ends))
+
+    def follow(
+        self,
+        to: Store,
+        *,
+        stop: threading.Event,
+        interval: float = 0.5,
+        on_round: Callable[[ShipReport], object] | None = None,
+    ) -> ShipReport:
+        """Ship this store into ``to`` until ``stop`` is set: each round ships everything up to
+        this store's last event when the round began, then, caught up, waits ``interval``
+        seconds (or until ``stop``) before the next.  An event committed here reaches ``to``
+        within ``interval`` plus the time to ship what was ahead of it.  Stops at the first
+        problem, or once ``stop`` is set after the batch in flight commits; returns the rounds'
+        totals (``stopped="stopped"`` when asked to stop).  ``on_round(report)`` is called after
+        each round that shipped something.  Each round is an operation of its own, so a fork or
+        ``close()`` happens between rounds (a closed store ends the follow with ``StoreClosedError``)."""
+        from store.shipping.follow import follow as follow_log
+        from store.shipping.ship import Bounds
+
+        if not isinstance(stop, threading.Event):
+            raise InvalidRecordError(f"follow() stop must be a threading.Event, got {type(stop).__name__}")
+        wait = arguments.optional_seconds("interval", interval)
+        assert wait is not None
+        if on_round is not None and not callable(on_round):
+            raise InvalidRecordError(f"follow() on_round must be callable, got {type(on_round).__name__}")
+        return follow_log(lambda: self._ship_round(to, Bounds(stop=stop)), stop, wait, on_round)
+
+    @operation
+    def _ship_round(self, to: Store, bounds: Bounds) -> ShipReport:
+        return self._ship(to, None, bounds)
+
+    def _ship(self, to: Store, progress: Callable[[int, int], object] | None, bounds: Bounds) -> ShipReport:
         if not isinstance(to, Store):
             raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
         if progress is not None and not callable(progress):
             raise InvalidRecordError(f"ship() progress must be callable, got {type(progress).__name__}")
-        from store.shipping.ship import ShipTarget, ship_log  # loaded when a ship runs
+        from store.shipping.ship import ShipTarget, ship_log
 
         target = ShipTarget(to.url, to._engine, to._known_id, to._write)
-        return ship_log(self._known_id(), self._reader, target, progress)
+        return ship_log(self._known_id(), self._reader, target, progress, bounds)
 
     @property
     def store_id(self) -> str:

@@ -782,6 +782,46 @@ class StoreMachine(RuleBasedStateMachine):
         self.shipped_upto = report.last_seq
         assert_target_reads_like_source(self.store, self.target)
 
+    @rule(limit=st.integers(min_value=1, max_value=4))
+    def ship_bounded(self, limit: int) -> None:
+        """A ship of at most ``limit`` events: it says how many of the source's are left, and
+        later ships finish the job (the ``ship`` rule checks the target then)."""
+        self.steps["ship_bounded"] += 1
+        report = self.store.ship(self.target, limit=limit, deadline=60.0)
+        assert report.ok, report.summary()
+        assert report.read <= limit and report.last_seq >= self.shipped_upto
+        self.shipped_upto = report.last_seq
+        with sqlite3.connect(f"file:{self.path}?mode=ro", uri=True) as connection:
+            (left,) = connection.execute("SELECT count(*) FROM events WHERE seq > ?", (report.last_seq,)).fetchone()
+        connection.close()
+        assert report.remaining == left
+        assert report.stopped == ("limit" if left else None)
+
+    @rule()
+    def follow_then_stop(self) -> None:
+        """A follower in a thread catches up while this thread reads the store, then stops when asked."""
+        self.steps["follow"] += 1
+        stop = threading.Event()
+        outcome: list[object] = []
+        follower = threading.Thread(
+            target=lambda: outcome.append(self.store.follow(self.target, stop=stop, interval=0.01))
+        )
+        follower.start()
+        try:
+            deadline = time.monotonic() + JOIN_SECONDS
+            while time.monotonic() < deadline:
+                self.store.calls()  # a read of the same store while the follower ships from it
+                if self.store.ship(self.target).read == 0:  # nothing left: the follower caught up
+                    break
+        finally:
+            stop.set()
+            follower.join(JOIN_SECONDS)
+        assert not follower.is_alive(), "the follower did not stop"
+        [report] = outcome
+        assert report.ok and report.stopped == "stopped"  # type: ignore[attr-defined]
+        self.shipped_upto = max(self.shipped_upto, report.last_seq)  # type: ignore[attr-defined]
+        assert_target_reads_like_source(self.store, self.target)
+
     # --- invariants ----------------------------------------------------------------------------
 
     # --- policy workers come and go (store.coordinator) ---------------------------------------------

@@ -740,6 +740,13 @@ def test_a_stage_runs_one_read_and_one_write_per_table(store_url: str, monkeypat
         return original_insert(self, statement, in_order, names, values)
 
     monkeypatch.setattr(WriteTransaction, "_insert", counting_insert)
+    original_later = WriteTransaction._insert_later
+
+    def counting_later(self: WriteTransaction, statement: Any, values: dict[str, Any]) -> None:
+        executed.append(statement.sql.split()[0].upper())  # sent with the others of its statement
+        original_later(self, statement, values)
+
+    monkeypatch.setattr(WriteTransaction, "_insert_later", counting_later)
     store = open_store(store_url)
     try:
         record = make_record(rollout_id="lean")

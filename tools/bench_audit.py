@@ -53,15 +53,15 @@ TARGET_RATIO = 2.0
 _U64 = struct.Struct(">Q").pack
 
 
-def build_store(path: str, records: int, seed: int) -> None:
+def build_store(path: str, records: int, seed: int, tokens: int = TOKENS, prefix: str = "rollout") -> None:
     rng = np.random.default_rng(seed)
     with open_store(path, durability="normal") as store:
         batch: list[StageEntry] = []
         for index in range(records):
-            columns = make_columns(rng, TOKENS)
+            columns = make_columns(rng, tokens)
             ids = columns.ids
             record = StagedCallRecord.from_components(
-                rollout_id=f"rollout-{index}",
+                rollout_id=f"{prefix}-{index}",
                 model_call_id="call-0",
                 parent_call_id=None,
                 mode="text",

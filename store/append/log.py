@@ -418,6 +418,7 @@ class EventLog:
                     # A batch run again isolated keeps exactly its callers; so does a guess, which
                     # may have to run again (the callers it took in would have committed).
                     break
+            transaction.flush()  # the inserts still waiting go out before COMMIT
             committing = time.perf_counter()
             unsynced = durable and transaction.appended == 0
             if unsynced and self._backend.force_commit_record_sql is not None:

@@ -48,14 +48,21 @@ class NewEvent:
         past_fence: bool = False,
         recorded_at: float | None = None,
         written_by: tuple[int, str | None] | None = None,
+        stored_form: tuple[bytes, bytes | None, bytes | None, bytes | None] | None = None,
     ) -> None:
         # The fields are set as one ``__dict__`` (a frozen dataclass's own ``__init__`` sets
         # each through ``object.__setattr__``; one event is built per staged record).
+        # ``stored_form``: the stored bytes already made (a shipped event's, verified against
+        # its checksum and its body's encoding), kept as they are instead of encoded again.
         stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
-        encoded = encode_body(body)
-        if columns is None:
+        if stored_form is not None:
+            stored = stored_form
+            size = sum(len(part) for part in stored_form if part is not None)
+        elif columns is None:
+            encoded = encode_body(body)
             stored, size = (encoded, None, None, None), len(encoded)
         else:
+            encoded = encode_body(body)
             ids, mask = encode_ids(columns.token_ids), encode_mask(columns.token_mask)
             log_probs = encode_floats(columns.log_probs)
             stored, size = (encoded, ids, mask, log_probs), len(encoded) + len(ids) + len(mask) + len(log_probs)

@@ -127,6 +127,12 @@ class WriteStatements:
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
         self._engine = engine
+        # PostgreSQL: each insert the transaction sends later as one statement for many rows.
+        self.many_rows: dict[str, tuple[str, tuple[str, ...]]] = {}
+        if postgres:
+            for statement, table in ((self.insert_event_at, events), (self.insert_call, calls)):
+                self.many_rows[statement.sql] = unnest_insert(table, engine)
+            self.many_rows[self.insert_key.sql] = unnest_insert(keys, engine)
 
     def held_keys(self, count: int) -> Statement:
         """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record.  Compiled once per
@@ -148,6 +154,15 @@ _HELD_KEYS: dict[tuple[str, str, str, int], Statement] = {}
 
 KEY_INSERT_COLUMNS = ("staging_key", "event_seq", "rollout_id", "model_call_id", "digest")
 KEYS_PER_STATEMENT = 256  # staging keys one ``missing_keys`` statement asks about
+
+
+def unnest_insert(table: sa.Table, engine: Engine) -> tuple[str, tuple[str, ...]]:
+    """PostgreSQL: INSERT of many rows of ``table`` in one statement, one array parameter per
+    column (``unnest``), and the column names in the order the arrays go."""
+    names = tuple(column.name for column in table.c)
+    # Binary parameters (``%b``): an array of bytea in text form is escaped byte by byte.
+    arrays = ", ".join(f"%({name})b::{table.c[name].type.compile(dialect=engine.dialect)}[]" for name in names)
+    return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays})", names
 
 
 def _binds_in_order(statement: sa.sql.ClauseElement, engine: Engine, names: tuple[str, ...]) -> bool:

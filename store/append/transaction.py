@@ -75,6 +75,10 @@ class WriteTransaction:
         self._unfenced: set[str] = set()
         self.last_seq: int | None = None  # the sequence number of the last event appended
         self._takes_seqs = bool(getattr(cursor, "takes_seqs", False))
+        # PostgreSQL: the inserts of appended events, calls rows and keys wait here, by statement,
+        # and go out as one ``executemany`` each before any other statement (which may read them)
+        # and before COMMIT (``flush``): a batch of many records sends three, not three per record.
+        self._later: dict[str, list[Any]] = {}
         # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
         # Empty and shared until a read ahead makes the transaction its own (most never do).
         self._ahead: dict[tuple[str, str, str], Any] = _NOTHING_AHEAD
@@ -86,9 +90,37 @@ class WriteTransaction:
         self._forget_all_ahead()  # it may change what a read-ahead lookup saw
         return self._execute(statement, values)
 
-    def run_many(self, statement: Statement, rows: list[dict[str, Any]]) -> None:
+    def run_many(
+        self, statement: Statement, rows: list[dict[str, Any]], *, unnest: tuple[str, tuple[str, ...]] | None = None
+    ) -> None:
+        """Run ``statement`` once per row; ``unnest`` (PostgreSQL, ``statements.unnest_insert``):
+        the same insert as one statement for all the rows."""
         self._forget_all_ahead()
+        self.flush()
+        if unnest is not None and self._takes_seqs and len(rows) > 1:
+            sql, names = unnest
+            self._cursor.execute(sql, {name: [row[name] for row in rows] for name in names})
+            return
         self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
+
+    def flush(self) -> None:
+        """Send the inserts still waiting (``_later``), in the order their statements first came."""
+        if self._later:
+            later, self._later = self._later, {}
+            many_rows = self._sql.many_rows
+            for sql, rows in later.items():
+                bulk = many_rows.get(sql)
+                if bulk is None or len(rows) == 1:
+                    for row in rows:
+                        self._cursor.execute(sql, row)
+                    continue
+                # One statement for all the rows (psycopg's executemany, pipelined, loses track of
+                # its prepared statements when a caller of the batch is rolled back to a savepoint).
+                unnest, names = bulk
+                self._cursor.execute(unnest, {name: [row[name] for row in rows] for name in names})
+
+    def _insert_later(self, statement: Statement, values: dict[str, Any]) -> None:
+        self._later.setdefault(statement.sql, []).append(statement.params(values))
 
     def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
         """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each) with one
@@ -99,6 +131,7 @@ class WriteTransaction:
         side_cursor = getattr(self._cursor, "side_cursor", None)
         if statement is None or side_cursor is None:
             return
+        self.flush()
         if self._takes_seqs:
             self._cursor.reserve_seqs(appends)
         wanted = list(dict.fromkeys(streams))
@@ -140,14 +173,20 @@ class WriteTransaction:
         self._ahead_by_key.clear()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
+        if self._later:
+            self.flush()
         return self._cursor.execute(statement.sql, statement.params(values))
 
     def _insert(self, statement: Statement, in_order: bool, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
         """Run an insert given its values in ``names``'s order: as they are where the driver binds
-        them in that order (``in_order``), else by name."""
+        them in that order (``in_order``: SQLite, run at once), else by name, later (PostgreSQL)."""
         if in_order:
             return self._cursor.execute(statement.sql, values)
-        return self._execute(statement, dict(zip(names, values, strict=True)))
+        named = dict(zip(names, values, strict=True))
+        if self._takes_seqs:
+            self._insert_later(statement, named)
+            return None
+        return self._execute(statement, named)
 
     def key(self, staging_key: str) -> KeyState | None:
         row = self._execute(self._sql.select_key, {"staging_key": staging_key}).fetchone()
@@ -289,7 +328,7 @@ class WriteTransaction:
             seq = int(self._cursor.take_seq())
             stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
             stored["seq"] = seq
-            self._execute(sql.insert_event_at, stored)  # not waited for (pipeline)
+            self._insert_later(sql.insert_event_at, stored)
         else:  # SQLite (PostgreSQL's pipelined cursor always takes seqs ahead)
             seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).lastrowid)
         self.appended += 1
@@ -375,16 +414,20 @@ class WriteTransaction:
     def settle(self) -> None:
         """Wait for every statement sent so far and raise the first failure (PostgreSQL sends
         statements in a pipeline; SQLite has run them already)."""
+        self.flush()
         settle = getattr(self._cursor, "settle", None)
         if settle is not None:
             settle()
 
     def savepoint(self, name: str) -> None:
+        self.flush()
         self._cursor.execute(f"SAVEPOINT {name}")
 
     def release(self, name: str) -> None:
+        self.flush()
         self._cursor.execute(f"RELEASE SAVEPOINT {name}")
 
     def rollback_to(self, name: str) -> None:
         self._forget_all_ahead()
+        self._later = {}  # the failed caller's inserts never went out: they go with its savepoint
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")

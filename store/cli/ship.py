@@ -1,7 +1,14 @@
-"""``ship``: copy a store's log into another store (``Store.ship``), with a progress bar."""
+"""``ship``: copy a store's log into another store (``Store.ship``), with a progress bar, or
+``--follow`` it (``Store.follow``) until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -14,21 +21,52 @@ from store.cli.opening import read_only, shown, writable
     epilog="SRC and DST are SQLite paths or postgresql:// URLs; both must already be stores (create an "
     "empty target with `staging-store migrate DST --create`).\n\n"
     "Examples:\n\n  staging-store ship worker-7.db postgresql://trainer@db/fleet\n\n"
-    "  staging-store ship worker-7.db shared.db --json",
+    "  staging-store ship worker-7.db shared.db --json\n\n"
+    "  staging-store ship worker-7.db postgresql://trainer@db/fleet --follow --interval 1",
 )
 @click.argument("source", metavar="SRC")
 @click.argument("target", metavar="DST")
 @click.option("--json", "as_json", is_flag=True, help="Print the ship report as JSON.  [default: a summary]")
-def ship(source: str, target: str, as_json: bool) -> int:
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Ship at most this many events.")
+@click.option(
+    "--deadline",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Start no batch after this many seconds.",
+)
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="Keep shipping what SRC commits until SIGINT or SIGTERM (the batch in flight commits first).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.5,
+    show_default=True,
+    help="--follow: seconds between looks at SRC once caught up (the lag is at most this plus a round).",
+)
+def ship(
+    source: str, target: str, as_json: bool, limit: int | None, deadline: float | None, follow: bool, interval: float
+) -> int:
     """Ship SRC's events that DST does not hold yet into DST, verified, each keeping its origin.
 
     SRC is opened read-only; DST is written (never created).  Idempotent and resumable: a
-    second ship sends only what is new.  A ship stops at the first event DST refuses
+    second ship sends only what is new.  A ship goes up to SRC's last event when it began
+    (bounded further by --limit and --deadline).  It stops at the first event DST refuses
     (a conflict) or that is damaged in SRC, keeps everything before it, and exits 1;
-    exit 0 when every event of SRC is in DST.
+    exit 0 otherwise.  --follow prints one line per round that shipped something (a JSON
+    object per line with --json) and, on SIGINT or SIGTERM, the totals.
     """
-    with read_only(source) as src, writable(target) as dst, output.progress_bar("shipping") as progress:
-        report = src.ship(dst, progress=progress)
+    if follow and (limit is not None or deadline is not None):
+        raise click.UsageError("--follow ships until stopped; it takes no --limit or --deadline")
+    with read_only(source) as src, writable(target) as dst:
+        if follow:
+            with _stop_on_signals() as stop:
+                report = src.follow(dst, stop=stop, interval=interval, on_round=_round_printer(as_json))
+        else:
+            with output.progress_bar("shipping") as progress:
+                report = src.ship(dst, progress=progress, limit=limit, deadline=deadline)
         shaped: dict[str, Any] = {
             "source": shown(src),
             "target": shown(dst),
@@ -39,6 +77,8 @@ def ship(source: str, target: str, as_json: bool) -> int:
             "appended": report.appended,
             "present": report.present,
             "last_seq": report.last_seq,
+            "remaining": report.remaining,
+            "stopped": report.stopped,
             "problems": [
                 {
                     "code": problem.code,
@@ -58,3 +98,35 @@ def ship(source: str, target: str, as_json: bool) -> int:
     else:
         output.show(report.summary(), f"{shaped['source']} -> {shaped['target']}")
     return exits.OK if report.ok else exits.PROBLEMS
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event SIGINT and SIGTERM set (the follow stops after the batch in flight), the
+    handlers they had put back after."""
+    stop = threading.Event()
+
+    def handler(_signum: int, _frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _round_printer(as_json: bool) -> Any:
+    def printed(report: Any) -> None:
+        if as_json:
+            fields = {"appended": report.appended, "present": report.present, "last_seq": report.last_seq}
+            sys.stdout.write(json.dumps({"round": fields, "remaining": report.remaining}) + "\n")
+        else:
+            print(
+                f"shipped {report.read} event(s) ({report.appended} appended) up to source event {report.last_seq}",
+                flush=True,
+            )
+        sys.stdout.flush()
+
+    return printed

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
+from store.append.statements import unnest_insert
 from store.append.transaction import WriteTransaction
 from store.errors import StoreError
 from store.log import schema
@@ -106,6 +107,7 @@ class ShipStatements:
         )
         self.retention = RetentionStatements(engine)
         self.insert_shipped = Statement(sa.insert(shipped).values({c: sa.bindparam(c.name) for c in shipped.c}), engine)
+        self.insert_shipped_many = unnest_insert(shipped, engine) if engine.dialect.name == "postgresql" else None
 
 
 def resume_point(tx: WriteTransaction, statements: ShipStatements, source_store_id: str) -> int | None:
@@ -147,7 +149,7 @@ def receive(
             here.add(origin)
         received.last_seq = item.source_seq
     if received.events:
-        tx.run_many(statements.insert_shipped, received.events)
+        tx.run_many(statements.insert_shipped, received.events, unnest=statements.insert_shipped_many)
     if received.last_seq is not None:
         values: dict[str, Any] = {"source_store_id": source_store_id, "last_seq": received.last_seq}
         if known is None:

@@ -37,6 +37,12 @@ class ShipReport:
     (shipped before, or an identical record or receipt already there), written nothing.
     A ship stops at its first problem; the events before it stay shipped and a later
     ship resumes after them.
+
+    A ship goes up to the source's last event when it began (events staged meanwhile wait
+    for the next ship), and no further than its ``limit`` or ``deadline``: ``remaining`` counts
+    the source's events up to that last one it did not reach, ``stopped`` says why
+    (``"limit"``, ``"deadline"``, ``"stopped"``: a follower asked to stop; None: it was not
+    cut short).  ``ok`` says only that nothing went wrong.
     """
 
     ok: bool
@@ -47,12 +53,18 @@ class ShipReport:
     present: int
     last_seq: int
     problems: tuple[ShipProblem, ...] = ()
+    remaining: int = 0
+    stopped: str | None = None
 
     def summary(self) -> str:
         head = (
             f"shipped {self.source_store_id} -> {self.target_store_id}: {self.read} event(s) read, "
             f"{self.appended} appended, {self.present} already present; shipped up to source event {self.last_seq}"
         )
+        if self.stopped is not None and self.remaining:
+            head += f"; stopped ({self.stopped}) with {self.remaining} event(s) left to ship"
+        elif self.stopped == "stopped":
+            head += "; stopped on request"
         if self.ok:
             return head
         return "\n".join([head + "; stopped at a problem", *(f"  {problem}" for problem in self.problems)])

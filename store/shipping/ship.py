@@ -9,6 +9,8 @@ and an event that reached the target by any path is never appended twice.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,13 +23,16 @@ from store.errors import InvalidRecordError
 from store.queries.reads import Reader
 from store.shipping.receive import Received, Refused, ShipStatements, receive, resume_point
 from store.shipping.report import ShipProblem, ShipReport
-from store.shipping.source import SourceEvent, Unshippable, batches, count_after
+from store.shipping.source import SourceEvent, Unshippable, batches, count_between, last_seq
 
 Progress = Callable[[int, int], object]
 T = TypeVar("T")
 
-# Source events per target transaction: a few MB of 4k-token records at most.
-BATCH_EVENTS = 128
+# Source events per target transaction, and their stored bytes at most: large enough that a
+# batch's fixed costs (its lock, lookups, round trips) spread thin, small enough that the next
+# batch is read and verified while this one is written.
+BATCH_EVENTS = 512
+BATCH_BYTES = 8 * 1024 * 1024
 
 
 class TargetWrite(Protocol):
@@ -46,24 +51,59 @@ class ShipTarget:
     write: TargetWrite
 
 
-def ship_log(source_id: str, source: Reader, target: ShipTarget, progress: Progress | None) -> ShipReport:
+@dataclass(frozen=True)
+class Bounds:
+    """How far one ship goes: up to ``limit`` source events, until ``deadline`` (``time.monotonic``),
+    or until ``stop`` is set -- each checked between batches, so a batch is never cut short."""
+
+    limit: int | None = None
+    deadline: float | None = None
+    stop: threading.Event | None = None
+
+    def reached(self, done: int) -> str | None:
+        """Why the ship stops before its next batch (None: it goes on)."""
+        if self.limit is not None and done >= self.limit:
+            return "limit"
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "deadline"
+        if self.stop is not None and self.stop.is_set():
+            return "stopped"
+        return None
+
+
+def ship_log(
+    source_id: str, source: Reader, target: ShipTarget, progress: Progress | None, bounds: Bounds = Bounds()
+) -> ShipReport:
+    """Ship the source's events after the target's resume point for it, up to the source's last
+    event when the ship began (a source that keeps being written still lets it end), within
+    ``bounds``."""
     statements = ShipStatements(target.engine)
     # The target's log refuses a closed store here, before anything of it is read.
     start = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
     target_id = target.known_id()
     if source_id == target_id:
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
-    tally = _Tally(last=start)
+    with source.connection("reading the log to ship") as connection:
+        head = last_seq(connection)
+        total = count_between(connection, start, head)
+        connection.rollback()
+    if bounds.limit is not None:
+        total = min(total, bounds.limit)
+    tally = _Tally(last=start, total=total)
+    _report(progress, 0, tally.total)
+    stopped: str | None = None
     # The next batch is read and verified here while a writer thread applies this one to the
     # target (its write path takes callers from any thread).  The next batch is sent only
     # once this one committed without a problem: a ship still stops at its first problem.
-    with source.connection("reading the log to ship") as connection, ThreadPoolExecutor(1) as writer:
-        tally.total = count_after(connection, start)
-        connection.rollback()
-        _report(progress, 0, tally.total)
+    # Each batch is read on a connection of its own (a store of one connection stages between).
+    with ThreadPoolExecutor(1) as writer:
         writing: Future[tuple[Received, ShipProblem | None]] | None = None
         bad: Unshippable | None = None
-        for batch in batches(connection, source_id, start, BATCH_EVENTS):
+        read = 0
+        for batch in batches(source, source_id, start, head, _batch_size(bounds.limit, read), BATCH_BYTES):
+            if bounds.limit is not None:
+                batch = batch[: bounds.limit - read]
+            read += len(batch)
             verified, bad = _until_unshippable(batch)
             if writing is not None and not tally.settle(writing.result(), progress):
                 writing = None  # stopped at the problem: this batch is not sent
@@ -71,11 +111,17 @@ def ship_log(source_id: str, source: Reader, target: ShipTarget, progress: Progr
             writing = writer.submit(_ship_batch, target, statements, source_id, target_id, verified)
             if bad is not None:
                 break  # the events before the damaged one go; shipping stops at it
+            stopped = bounds.reached(read)
+            if stopped is not None:
+                break
         if writing is not None and tally.settle(writing.result(), progress) and bad is not None:
             tally.problems.append(_corrupt(bad))
     done = tally.appended + tally.present
     if not tally.problems and done != tally.total:
         _report(progress, done, done)
+    with source.connection("counting the events left to ship") as connection:
+        remaining = count_between(connection, tally.last, head)
+        connection.rollback()
     return ShipReport(
         ok=not tally.problems,
         source_store_id=source_id,
@@ -85,7 +131,13 @@ def ship_log(source_id: str, source: Reader, target: ShipTarget, progress: Progr
         present=tally.present,
         last_seq=tally.last,
         problems=tuple(tally.problems),
+        remaining=remaining,
+        stopped=stopped if remaining else None,
     )
+
+
+def _batch_size(limit: int | None, read: int) -> int:
+    return BATCH_EVENTS if limit is None else max(1, min(BATCH_EVENTS, limit - read))
 
 
 @dataclass
@@ -93,7 +145,7 @@ class _Tally:
     """What the ship did so far."""
 
     last: int
-    total: int = 0
+    total: int
     appended: int = 0
     present: int = 0
     problems: list[ShipProblem] = field(default_factory=list)
@@ -109,7 +161,7 @@ class _Tally:
             self.problems.append(problem)
             return False
         done = self.appended + self.present
-        self.total = max(self.total, done)  # events staged in the source while it ships
+        self.total = max(self.total, done)
         _report(progress, done, self.total)
         return True
 

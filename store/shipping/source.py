@@ -17,11 +17,14 @@ import sqlalchemy as sa
 from store.append.new_event import NewEvent
 from store.errors import CorruptRecordError
 from store.log import schema
-from store.log.events import RECORD_KINDS, EventKind, WorkerBody, encode_body
+from store.log.events import RECORD_KINDS, EventKind, RecordBody, WorkerBody, encode_body
 from store.projections.fold import Event
-from store.queries.integrity import verified_event
-from store.queries.reads import snapshot_from_event
+from store.queries.integrity import DECODE_ERRORS, describe, verified_event
+from store.queries.reads import Reader, record_fields, stored_columns
 from store.shipping.identity import EventOrigin, event_origin, origins_between
+from store.wire.digest import staging_digest_and_columns
+
+StoredForm = tuple[bytes, bytes | None, bytes | None, bytes | None]  # body, ids, mask, log-probs
 
 
 @dataclass(frozen=True)
@@ -45,34 +48,66 @@ class Unshippable:
     row: Mapping[str, Any]
 
 
-def count_after(connection: sa.Connection, after: int) -> int:
+def last_seq(connection: sa.Connection) -> int:
+    """The source's last event now (0: none): a ship goes no further than this."""
     events = schema.events
-    return int(connection.execute(sa.select(sa.func.count()).where(events.c.seq > after)).scalar() or 0)
+    return int(connection.execute(sa.select(sa.func.max(events.c.seq))).scalar() or 0)
+
+
+def count_between(connection: sa.Connection, after: int, upto: int) -> int:
+    """Events with ``after < seq <= upto``."""
+    events = schema.events
+    query = sa.select(sa.func.count()).where(events.c.seq > after, events.c.seq <= upto)
+    return int(connection.execute(query).scalar() or 0)
 
 
 def batches(
-    connection: sa.Connection, store_id: str, after: int, size: int
+    source: Reader, store_id: str, after: int, upto: int, size: int, max_bytes: int
 ) -> Iterator[list[SourceEvent | Unshippable]]:
-    """Source events after ``after`` in sequence order, ``size`` at a time, verified."""
+    """Source events with ``after < seq <= upto`` in sequence order, verified: ``size`` rows
+    read at a time, each read on a connection of its own, handed on in batches of at most
+    ``max_bytes`` stored bytes (and at least one event)."""
     events = schema.events
-    query = sa.select(*events.c).where(events.c.seq > sa.bindparam("after")).order_by(events.c.seq).limit(size)
-    while True:
-        rows = [dict(row._mapping) for row in connection.execute(query, {"after": after})]
-        connection.rollback()  # no snapshot held between batches
-        if not rows:
-            return
-        last = int(rows[-1]["seq"])
-        origins = origins_between(connection, after, last)
-        connection.rollback()
-        batch: list[SourceEvent | Unshippable] = []
-        for row in rows:
-            seq = int(row["seq"])
-            item = _verified(row, origins.get(seq) or EventOrigin(store_id, seq))
-            if isinstance(item, SourceEvent) and isinstance(item.event.body, WorkerBody):
-                item = _with_join(connection, store_id, item, item.event.body)
-            batch.append(item)
-        yield batch
+    query = (
+        sa.select(*events.c)
+        .where(events.c.seq > sa.bindparam("after"), events.c.seq <= sa.bindparam("upto"))
+        .order_by(events.c.seq)
+        .limit(sa.bindparam("size"))
+    )
+    while after < upto:
+        with source.connection("reading the log to ship") as connection:
+            rows = [
+                dict(row._mapping) for row in connection.execute(query, {"after": after, "upto": upto, "size": size})
+            ]
+            connection.rollback()  # no snapshot held between batches
+            if not rows:
+                return
+            last = int(rows[-1]["seq"])
+            origins = origins_between(connection, after, last)
+            connection.rollback()
+            batch: list[SourceEvent | Unshippable] = []
+            for row in rows:
+                seq = int(row["seq"])
+                item = _verified(row, origins.get(seq) or EventOrigin(store_id, seq))
+                if isinstance(item, SourceEvent) and isinstance(item.event.body, WorkerBody):
+                    item = _with_join(connection, store_id, item, item.event.body)
+                batch.append(item)
+        yield from _by_bytes(batch, max_bytes)
         after = last
+
+
+def _by_bytes(batch: list[SourceEvent | Unshippable], max_bytes: int) -> Iterator[list[SourceEvent | Unshippable]]:
+    part: list[SourceEvent | Unshippable] = []
+    size = 0
+    for item in batch:
+        weight = item.event.size if isinstance(item, SourceEvent) else 0
+        if part and size + weight > max_bytes:
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += weight
+    if part:
+        yield part
 
 
 def _with_join(connection: sa.Connection, store_id: str, item: SourceEvent, body: WorkerBody) -> SourceEvent:
@@ -85,30 +120,58 @@ def _with_join(connection: sa.Connection, store_id: str, item: SourceEvent, body
 
 
 def _verified(row: Mapping[str, Any], origin: EventOrigin) -> SourceEvent | Unshippable:
-    """The event to append for ``row``: checksum, decoding and (for records) digest verified."""
+    """The event to append for ``row``: checksum, decoding and (for records) digest verified.
+    Its stored bytes go to the target as they are (they are what its checksum covers)."""
     seq = int(row["seq"])
     try:
         event = verified_event(row)
-        if encode_body(event.body) != bytes(row["body"]):
+        body = bytes(row["body"])
+        if encode_body(event.body) != body:
             raise CorruptRecordError(f"event {seq}'s body holds fields this version cannot keep (a newer writer?)")
-        digest = columns = None
+        digest = None
         if event.kind in RECORD_KINDS:
-            snapshot, _ = snapshot_from_event(event, row)
-            digest, columns = snapshot.digest, snapshot.columns
+            digest = _record_digest(event, row)
     except CorruptRecordError as exc:
         return Unshippable(seq, origin, str(exc), row)
-    return SourceEvent(seq, origin, _new_event(event, row, columns), digest)
+    stored = (body, _optional(row["token_ids"]), _optional(row["token_mask"]), _optional(row["log_probs"]))
+    return SourceEvent(seq, origin, _new_event(event, row, stored), digest)
 
 
-def _new_event(event: Event, row: Mapping[str, Any], columns: Any) -> NewEvent:
+def _record_digest(event: Event, row: Mapping[str, Any]) -> str:
+    """A record's digest, hashed again from its stored columns; it must be the one it was staged with."""
+    body: RecordBody = event.body
+    try:
+        columns = stored_columns(row)
+        digest, _ = staging_digest_and_columns(
+            **record_fields(body),
+            digest_version=2,
+            extras_digest_version=1,
+            token_ids_delta=columns.token_ids,
+            token_mask_delta=columns.token_mask,
+            generation_log_probs_delta=columns.log_probs,
+        )
+    except DECODE_ERRORS as exc:
+        raise CorruptRecordError(f"{describe(row)} no longer validates: {exc}") from exc
+    if digest != body.digest:
+        raise CorruptRecordError(f"{describe(row)} does not match its staged digest")
+    return digest
+
+
+def _optional(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)
+
+
+def _new_event(
+    event: Event, row: Mapping[str, Any], stored: tuple[bytes, bytes | None, bytes | None, bytes | None]
+) -> NewEvent:
     return NewEvent(
         event.kind,
         event.rollout_id,
         event.model_call_id,
         event.body,
         event.staging_key,
-        columns,
         recorded_at=float(row["recorded_at"]),
         # The process and host that first wrote it, kept across every hop (never the shipper's).
         written_by=(int(row["writer_pid"]), row.get("writer_host")),
+        stored_form=stored,
     )
