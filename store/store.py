@@ -115,7 +115,7 @@ class Store:
         self._retain = retention_retain.RetainStatements(self._engine)
         self._pid = os.getpid()
         try:
-            learn_sessions(self._engine, self._backend)
+            learn_sessions(self._engine, self._backend, read_only=self._read_only)
             if self._read_only:
                 check_schema(self._engine, self._url)  # never migrates: the store stays as it is
             else:

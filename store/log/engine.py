@@ -391,14 +391,14 @@ def current_revision(connection: sa.Connection) -> str | None:
     return connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
 
 
-def learn_sessions(engine: Engine, backend: Backend) -> None:
+def learn_sessions(engine: Engine, backend: Backend, *, read_only: bool = False) -> None:
     """PostgreSQL, at open: prepare statements unless a pooler multiplexes server sessions."""
     if backend.sessions is None:
         return
     try:
         backend.sessions.prepared = not postgres.multiplexed(engine)
     except driver_errors(engine) as exc:
-        raise opening_error(engine.url, exc) from exc
+        raise (read_only_error if read_only else opening_error)(engine.url, exc) from exc
 
 
 def migrate(engine: Engine, backend: Backend, schema: str | None = None) -> None:
@@ -484,9 +484,14 @@ def read_only_error(url: URL, exc: BaseException) -> StorageError:
         return StorageError(f"cannot connect to {where}: the database does not exist")
     if connecting_failed(exc) or connection_lost(exc):
         return storage_error(f"reading {where}", exc)
-    if isinstance(exc, sa.exc.OperationalError):
+    if _operational(exc):
         return StorageError(f"cannot connect to {where}")
     return StorageError(f"cannot read {where}")
+
+
+def _operational(exc: BaseException) -> bool:
+    """SQLAlchemy's OperationalError, or the driver's own (a connection made without the pool)."""
+    return isinstance(exc, sa.exc.OperationalError) or type(exc).__name__ == "OperationalError"
 
 
 def opening_error(url: URL, exc: BaseException) -> StorageError:
@@ -501,7 +506,7 @@ def opening_error(url: URL, exc: BaseException) -> StorageError:
             return StorageError(f"{problem} ({reason})")
     elif connecting_failed(exc) or connection_lost(exc) or lock_timed_out(exc):
         return storage_error(f"opening {url.render_as_string(hide_password=True)}", exc)
-    elif isinstance(exc, sa.exc.OperationalError) and "connect" in reason:
+    elif _operational(exc) and "connect" in reason:
         return StorageError(f"cannot connect to {url.render_as_string(hide_password=True)}: {reason}")
     return MigrationError(f"migrating the store schema failed: {reason}")
 
