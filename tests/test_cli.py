@@ -731,7 +731,7 @@ def test_write_commands_on_any_backend(store_url: str, capsys: Any) -> None:
 
 SHIP_SHAPE = {
     "source", "target", "ok", "source_store_id", "target_store_id", "read", "appended", "present", "last_seq",
-    "problems",
+    "remaining", "stopped", "problems",
 }  # fmt: skip
 
 
