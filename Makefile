@@ -1,25 +1,37 @@
 # Two commands for a newcomer: `make demo` (set up, then run the main job) and `make test`.
+# The demo installs only what it runs (the runtime dependencies); the test tools (ruff, mypy,
+# pytest, hypothesis, the [http] and [postgres] extras) come with the first `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+RUNTIME := $(VENV)/.installed-runtime
+TOOLS := $(VENV)/.installed-test
+# Tests run in parallel, one process per CPU; a file's tests stay together, so module and
+# session fixtures (the demo store, the docs' examples, a PostgreSQL database) are made once
+# per file, not once per process.
+PYTEST_ARGS ?= -n auto --dist loadfile
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	touch $(STAMP)
+	$(PIP) -e .
+	touch $(RUNTIME)
 
-demo: $(STAMP)
+$(TOOLS): $(RUNTIME)
+	$(PIP) -e '.[test]'
+	touch $(TOOLS)
+
+demo: $(RUNTIME)
 	$(VENV)/bin/staging-store demo
 
-test: $(STAMP)
+test: $(TOOLS)
 	$(VENV)/bin/ruff check store migrations tests tools
 	$(VENV)/bin/mypy
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TOOLS)
 	$(PY) tools/bench_records.py
 	$(PY) tools/bench_staging.py
 	$(PY) tools/bench_bytes.py

@@ -15,11 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pg_cluster
+import profiles
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from store import Store, open_store
+
+PROFILE = profiles.load()  # before any test module builds its hypothesis settings
 
 POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
 BACKENDS = ["sqlite", *(["postgresql"] if POSTGRES_URL else [])]

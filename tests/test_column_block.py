@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from store.wire.columns import (
     ColumnBlock,
@@ -26,7 +27,7 @@ from store.wire.columns import (
     stored_id_count,
 )
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _stored(ids: list[int], mask: list[float], log_probs: list[float]) -> tuple[bytes, bytes, bytes]:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from store import (
     EMPTY_EXTRAS_DIGEST,
@@ -32,8 +33,8 @@ from store import (
 )
 from store.wire.digest import hash_token_columns
 
-FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-MODERATE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MODERATE = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 U64_MAX = 2**64 - 1
 HEX = "0123456789abcdef"

@@ -23,6 +23,7 @@ from capture_helpers import Versions
 from factories import make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from rollouts import manifest_row
 from test_records import admission, call_row, child_record, coords, cut, failed_coords, receipt
 
@@ -56,7 +57,7 @@ from store.log.events import AdmissionBody, Completion, FailureBody
 from store.wire import cut_records, records
 
 INPUTS: collections.Counter[str] = collections.Counter()
-FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+FUZZ = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 HANG_SECONDS = 300  # far beyond this file's few seconds: only a hang ever reaches it
 
 

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from store.errors import DigestValueError
 from store.wire import columns
 from store.wire.columns import FloatColumn, TokenIds, encode_ids
 from store.wire.digest import compute_staging_digest
 
-FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 F32_MAX = float(np.finfo(np.float32).max)
 
 

@@ -15,6 +15,7 @@ import pytest
 from factories import make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from rollouts import Rollout, branched, manifest_row, receipt_for, tampered
 
 from store import (
@@ -44,7 +45,7 @@ from store import (
 )
 from store.rebuild.verify import SKIP_ABANDONED_ROOT, SKIP_AMBIGUOUS_LEAF
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def rejected(receipt: Any, snapshots: Any) -> str:

@@ -53,6 +53,7 @@ from factories import make_record
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from profiles import examples
 from rollouts import manifest_row
 from shipping_helpers import assert_target_reads_like_source
 
@@ -963,7 +964,7 @@ def _wait_for(pid: int) -> int:
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("STORE_MACHINE_EXAMPLES", "30")),
+    max_examples=int(os.environ.get("STORE_MACHINE_EXAMPLES") or examples(30)),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

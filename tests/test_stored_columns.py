@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from store.errors import DigestValueError, RebuildError
 from store.rebuild.verify import carry_boundary
@@ -31,7 +32,7 @@ from store.wire.columns import (
 )
 from store.wire.digest import check_mask_and_carry
 
-FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _stored(mask: list[float], log_probs: list[float]) -> tuple[FloatColumn, FloatColumn]:
@@ -173,7 +174,7 @@ _INTEGER = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, 1, -1
 _COLUMN = st.one_of(st.none(), st.binary(max_size=40), st.binary(min_size=1000, max_size=1100))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.fixed_dictionaries(
         {

@@ -11,6 +11,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from store import (
     ASSISTANT_FINGERPRINT_VERSION,
@@ -23,7 +24,7 @@ from store import (
     select_terminal_call,
 )
 
-FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _row(
@@ -367,7 +368,7 @@ def test_no_witness_at_all_lets_the_caller_fall_back_to_the_heuristic() -> None:
     assert resolve_terminal(["not a row"], None) == attribution(None, None, "invalid_records")  # type: ignore[list-item]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     st.recursive(
         st.none() | st.booleans() | st.integers() | st.text(),
