@@ -117,7 +117,7 @@ class Store:
         try:
             learn_sessions(self._engine, self._backend, read_only=self._read_only)
             if self._read_only:
-                check_schema(self._engine, self._url)  # never migrates: the store stays as it is
+                check_schema(self._engine, self._url, schema)  # never migrates: the store stays as it is
             else:
                 migrate(self._engine, self._backend, schema)
                 self._log.written_for(self._known_id())  # every event names the store it is for

@@ -583,8 +583,8 @@ def test_retire_forget_delete_compact(copy: Path, tmp_path: Path, capsys: Any) -
     deleted = json.loads(out)
     assert code == 0 and set(deleted) == REMOVAL_SHAPE, err
     assert deleted["removed"] == ["run1-r2", "run1-r2-a1"] and deleted["absent"] == []
-    code, out, _ = run(capsys, "keys", store, "--rollout", "run1-r2", "--json")
-    assert json.loads(out)["keys"] == []
+    code, out, err = run(capsys, "keys", store, "--rollout", "run1-r2", "--json")
+    assert (code, out) == (1, "") and "no rollout 'run1-r2'" in err  # every key gone: the rollout is unknown
     code, _, err = run(capsys, "lineage", store, "run1-r2")
     assert code == 1
     code, out, _ = run(capsys, "delete", store, "run1-r2")

@@ -1,9 +1,24 @@
 """The ``staging-store`` command line: click commands, rich output, one module per command group.
 
-Importing this package imports only click: each command imports the library when it runs,
-so ``staging-store --help`` answers at once.
+Importing this package imports nothing (``main`` imports click when it runs, and each command
+imports the library when it runs), so ``staging-store --help`` answers at once, and a Ctrl-C
+that lands while the interpreter is still importing ends the command quietly with 130.
 """
 
-from store.cli.main import main
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+INTERRUPTED = 130  # as store.cli.exits.INTERRUPTED, which cannot be imported before click
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (errors are one line on stderr)."""
+    try:
+        from store.cli.main import main as run
+    except KeyboardInterrupt:  # Ctrl-C during start-up: nothing has been opened yet
+        return INTERRUPTED
+    return run(argv)
+
 
 __all__ = ["main"]

@@ -12,6 +12,7 @@ from store.cli.opening import STORE_HELP, read_only, store_and, store_argument
 if TYPE_CHECKING:
     from store.lineage import LineageCall, RolloutLineage
     from store.queries.reads import CallInfo, StoredChunk
+    from store.store import Store
 
 JSON_HELP = "Print JSON instead of a table."
 
@@ -36,19 +37,17 @@ def rollouts(store: str | None, as_json: bool) -> int:
     if as_json:
         output.emit_json({"rollouts": shaped})
     else:
-        output.show(
-            output.table(
-                f"{len(shaped)} rollout(s)",
-                ["rollout", "attempts", "calls", "completed", "failed"],
-                [[r["rollout_id"], ", ".join(r["attempts"]), r["calls"], r["completed"], r["failed"]] for r in shaped],
-            )
+        output.listing(
+            f"{len(shaped)} rollout(s)",
+            ["rollout", "attempts", "calls", "completed", "failed"],
+            [[r["rollout_id"], ", ".join(r["attempts"]), r["calls"], r["completed"], r["failed"]] for r in shaped],
         )
     return exits.OK
 
 
 @click.command(
-    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store lineage demo-store/demo.db demo-0\n\n"
-    "  STAGING_STORE=demo-store/demo.db staging-store lineage demo-0 --json",
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store lineage demo-store/demo.db run1-r0\n\n"
+    "  STAGING_STORE=demo-store/demo.db staging-store lineage run1-r0 --json",
 )
 @click.argument("arguments", nargs=-1, metavar="[STORE] ROLLOUT")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a tree.")
@@ -62,12 +61,23 @@ def lineage(arguments: tuple[str, ...], as_json: bool) -> int:
     with read_only(store) as opened:
         found = opened.lineage(rollout_id)
     if found is None:
-        raise exits.CommandError(f"no rollout {rollout_id!r} in the store", exits.PROBLEMS)
+        raise exits.CommandError(no_rollout(rollout_id), exits.PROBLEMS)
     if as_json:
         output.emit_json(lineage_json(found))
     else:
         output.show(_tree(found))
     return exits.OK
+
+
+def no_rollout(rollout_id: str) -> str:
+    return f"no rollout {rollout_id!r} in the store"
+
+
+def known_rollout(opened: Store, rollout_id: str) -> None:
+    """A --rollout the store does not hold is a problem found (exit 1), as for ``lineage``;
+    a rollout whose keys were all deleted is not known any more either."""
+    if opened.lineage(rollout_id) is None:
+        raise exits.CommandError(no_rollout(rollout_id), exits.PROBLEMS)
 
 
 def lineage_json(found: RolloutLineage) -> dict[str, Any]:
@@ -158,15 +168,20 @@ def _tree(found: RolloutLineage) -> Any:
 
 @click.command(
     epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store keys demo-store/demo.db\n\n"
-    "  staging-store keys demo-store/demo.db --rollout demo-0 --json",
+    "  staging-store keys demo-store/demo.db --rollout run1-r0 --json",
 )
 @store_argument
 @click.option("--rollout", "rollout_id", metavar="ROLLOUT", help="Only this rollout's keys (every attempt).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def keys(store: str | None, rollout_id: str | None, as_json: bool) -> int:
-    """List the live staging keys: the call each holds, its event and kind, its digest."""
+    """List the live staging keys: the call each holds, its event and kind, its digest.
+
+    Exit 1 when --rollout names a rollout the store does not hold.
+    """
     with read_only(store) as opened:
         found = opened.staged_keys(rollout_id)
+        if rollout_id is not None and not found:
+            known_rollout(opened, rollout_id)
     shaped: list[dict[str, Any]] = [
         {
             "staging_key": key.staging_key,
@@ -181,28 +196,26 @@ def keys(store: str | None, rollout_id: str | None, as_json: bool) -> int:
     if as_json:
         output.emit_json({"keys": shaped})
     else:
-        output.show(
-            output.table(
-                f"{len(shaped)} key(s)",
-                ["key", "call", "kind", "event", "digest"],
+        output.listing(
+            f"{len(shaped)} key(s)",
+            ["key", "call", "kind", "event", "digest"],
+            [
                 [
-                    [
-                        k["staging_key"],
-                        f"{k['rollout_id']}/{k['model_call_id']}",
-                        k["kind"],
-                        k["event_seq"],
-                        k["digest"][:16],
-                    ]
-                    for k in shaped
-                ],
-            )
+                    key["staging_key"],
+                    f"{key['rollout_id']}/{key['model_call_id']}",
+                    key["kind"],
+                    key["event_seq"],
+                    key["digest"][:16],
+                ]
+                for key in shaped
+            ],
         )
     return exits.OK
 
 
 @click.command(
-    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store show demo-store/demo.db demo-0/call-1\n\n"
-    "  staging-store show demo-store/demo.db demo-0-a1/call-1 --tokens --json",
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store show demo-store/demo.db run1-r0/c0\n\n"
+    "  staging-store show demo-store/demo.db run1-r0-a1/c2 --tokens --json",
 )
 @click.argument("arguments", nargs=-1, metavar="[STORE] KEY")
 @click.option("--tokens", is_flag=True, help="Include the record's token ids, mask and log-probs.  [default: off]")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
 from typing import Any
 
 import click
 
-from store.cli import exits, output
+from store.cli import exits, invocation, output
 
 DEFAULT_PATH = "demo-store/demo.db"
 
@@ -15,7 +17,12 @@ DEFAULT_PATH = "demo-store/demo.db"
     epilog="Example: staging-store demo --rollouts 8 --workers 4 --tokens 256 --seed 7\n\n"
     "Exit 0 when everything verified, 1 when anything did not (the summary says what).",
 )
-@click.option("--path", default=DEFAULT_PATH, show_default=True, help="SQLite store file to create or add a run to.")
+@click.option(
+    "--path",
+    default=DEFAULT_PATH,
+    show_default=True,
+    help="SQLite store file to create or add a run to; its folder is created if the folder above it exists.",
+)
 @click.option("--rollouts", type=click.IntRange(1, 64), default=8, show_default=True, help="Rollouts to serve.")
 @click.option("--workers", type=click.IntRange(1, 8), default=3, show_default=True, help="Worker processes.")
 @click.option(
@@ -45,6 +52,12 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, engine_
     """
     from store.demo.run import run_demo
 
+    folder = Path(path).expanduser().absolute().parent
+    if not folder.is_dir() and not folder.parent.is_dir():
+        raise click.BadParameter(
+            f"the folder {folder.parent} does not exist (the demo creates only the store's own folder)",
+            param_hint="'--path'",
+        )
     with _steps() as step:
         summary = run_demo(
             path, rollouts=rollouts, workers=workers, tokens=tokens, seed=seed, step=step, engine_kind=engine_kind
@@ -70,6 +83,7 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, engine_
         "audit_ok": summary.audit_ok,
         "audit_problems": summary.audit_problems,
         "exported_rows": summary.exported_rows,
+        "exported_rollouts": summary.exported_rollouts,
         "rollouts_identical": summary.rollouts_identical,
         "seconds": summary.seconds,
         "failures": summary.failures,
@@ -107,6 +121,8 @@ class _steps:
 
 
 def _show(s: dict[str, Any]) -> None:
+    from rich.markup import escape
+
     rows = [
         ["rollouts (3 turns each)", s["rollouts"]],
         ["calls completed", s["calls"]],
@@ -123,23 +139,29 @@ def _show(s: dict[str, Any]) -> None:
         ["dead attempts retired (Store.retire)", s["attempts_retired"]],
         ["late writes from a dead attempt refused", s["late_writes_refused"]],
         ["audit", "ok" if s["audit_ok"] else f"FAILED ({s['audit_problems']} problems)"],
-        ["rows exported", s["exported_rows"]],
+        ["rows exported (every rollout of the store)", s["exported_rows"]],
         ["rollouts identical to an uninterrupted run", f"{s['rollouts_identical']} / {s['rollouts']}"],
         ["seconds", s["seconds"]],
     ]
     verdict = "[green]everything verified[/green]" if s["ok"] else "[red]verification FAILED[/red]"
-    store = s["store"]
+    run, hint = invocation.command(), invocation.activation_hint()
+    store = shlex.quote(invocation.shown_path(s["store"]))
     output.show(
         output.table("staging-store demo", ["", "value"], rows),
         *[f"  coordinator: {line}" for line in s["coordinator_log"]],
         verdict,
         *[f"  [red]-[/red] {failure}" for failure in s["failures"]],
-        f"store: {store}",
-        f"export: {s['export']}",
-        "next:",
-        f"  staging-store audit {store}",
-        f"  staging-store rollouts {store}",
-        f"  staging-store lineage {store} {s['run']}-r0",
-        f"  staging-store workers {store}",
-        f"  staging-store export {store} | head -c 400",
+        f"store: {s['store']}",
+        f"export: {s['export']} (all {s['exported_rollouts']} rollouts of the store)",
+        f"next ({escape(hint)}):" if hint else "next:",
+        *[
+            escape(f"  {run} {line}")
+            for line in (
+                f"audit {store}",
+                f"rollouts {store}",
+                f"lineage {store} {s['run']}-r0",
+                f"workers {store}",
+                f"export {store} | head -c 400",
+            )
+        ],
     )

@@ -13,7 +13,7 @@ from store.cli.opening import STORE_HELP, read_only, shown, store_argument
 
 @click.command(
     epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store export demo-store/demo.db -o rollouts.jsonl\n\n"
-    "  staging-store export demo-store/demo.db --rollout demo-0 | head -c 300",
+    "  staging-store export demo-store/demo.db --rollout run1-r0 | head -c 300",
 )
 @store_argument
 @click.option(
@@ -21,7 +21,8 @@ from store.cli.opening import STORE_HELP, read_only, shown, store_argument
     "--output",
     "target",
     type=click.Path(dir_okay=False, writable=True, path_type=Path),
-    help="Write the lines to FILE.  [default: stdout]",
+    help="Write the lines to FILE (a temporary file beside it, renamed to FILE once complete: an "
+    "interrupted export leaves FILE as it was).  [default: stdout]",
 )
 @click.option("--rollout", "rollout_ids", multiple=True, metavar="ROLLOUT", help="Only this rollout (repeatable).")
 @click.option(
@@ -35,8 +36,11 @@ def export(store: str | None, target: Path | None, rollout_ids: tuple[str, ...],
 
     Each line holds token_ids, token_mask, logprobs, model_call_ids, prompt_len,
     weight_versions, token_policy_versions, ...; a rollout that fails to verify writes
-    nothing and is reported.  Exit 0 when every rollout was exported, 1 otherwise.
+    nothing and is reported.  Exit 0 when every rollout was exported, 1 otherwise (also
+    for a --rollout the store does not hold).
     """
+    if target is not None and not target.parent.is_dir():
+        raise click.BadParameter(f"the folder {target.parent} does not exist", param_hint="'-o' / '--output'")
     with read_only(store) as opened, output.progress_bar("exporting") as progress:
         report = opened.export_jsonl(
             target if target is not None else sys.stdout.buffer,

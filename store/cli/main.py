@@ -71,7 +71,9 @@ def _version() -> str:
 @click.group(
     cls=LazyGroup,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-    epilog="Exit codes: 0 ok, 1 problems found, 2 bad usage, 3 store unreadable or refused.  Try: staging-store demo",
+    epilog="Exit codes (every command): 0 ok, 1 problems found (also a rollout or key the store does not hold), "
+    "2 bad usage, 3 store unreadable or refused, 130 Ctrl-C, 141 a closed pipe cut the output short.  "
+    "Try: staging-store demo",
 )
 @click.version_option(_version(), "--version", "-V", prog_name="staging-store", message="%(prog)s %(version)s")
 def cli() -> None:
@@ -85,33 +87,47 @@ def cli() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (errors are one line on stderr)."""
+    """Run the command line; returns the exit code (errors are one line on stderr).
+
+    A Ctrl-C is 130 wherever it lands, also while an error is being reported or stdout
+    flushed (``KeyboardInterrupt`` is not an ``Exception``, so no handler below swallows it).
+    """
+    try:
+        code = _run(argv)
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            code = _closed_pipe()
+    except KeyboardInterrupt:
+        code = exits.INTERRUPTED
+    return code
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         result: Any = cli.main(
             args=list(argv) if argv is not None else None, prog_name="staging-store", standalone_mode=False
         )
-        code = result if isinstance(result, int) else exits.OK
+        return result if isinstance(result, int) else exits.OK
     except click.exceptions.Exit as done:
-        code = done.exit_code
+        return done.exit_code
+    except click.exceptions.NoArgsIsHelpError as bare:  # bare `staging-store`: the help, as asked
+        sys.stdout.write(bare.ctx.get_help() + "\n")
+        return exits.OK
     except click.UsageError as exc:  # one line, like every other error, naming where help is
         where = exc.ctx.command_path if exc.ctx is not None else "staging-store"
-        code = _fail(f"{exc.format_message().rstrip('.')} (see '{where} --help')", exc.exit_code)
+        return _fail(f"{exc.format_message().rstrip('.')} (see '{where} --help')", exits.USAGE)
     except click.ClickException as exc:
         exc.show()
-        code = exc.exit_code
-    except (click.Abort, KeyboardInterrupt):
-        code = exits.INTERRUPTED
+        return exc.exit_code
+    except click.Abort:  # click's own word for a Ctrl-C at a prompt
+        return exits.INTERRUPTED
     except exits.CommandError as exc:
-        code = _fail(str(exc), exc.code)
+        return _fail(str(exc), exc.code)
     except (BrokenPipeError, exits.ClosedPipe):
-        code = _closed_pipe()
+        return _closed_pipe()
     except Exception as exc:
-        code = _unexpected(exc)
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        code = _closed_pipe()
-    return code
+        return _unexpected(exc)
 
 
 def _fail(message: str, code: int) -> int:

@@ -18,7 +18,8 @@ from store.cli.opening import STORE_HELP, location, shown, store_argument
 @click.option(
     "--create",
     is_flag=True,
-    help="Create a new, empty store when the SQLite file does not exist.  [default: refuse]",
+    help="Create a new, empty store where there is none yet (a missing or empty SQLite file, an empty "
+    "PostgreSQL database or schema).  [default: refuse]",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a sentence.")
 def migrate(store: str | None, create: bool, as_json: bool) -> int:
@@ -26,14 +27,24 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
 
     Only a store's own schema is touched: a database that holds other tables and no store
     schema, or a store newer than this library, is refused (exit 3) and left as it was.
+    Only --create makes a new store: in a SQLite file that does not exist or is empty, or in
+    a PostgreSQL database or ?schema= that holds nothing yet (the schema is created).
     """
-    from store.errors import MigrationError, StorageError
-    from store.log.engine import create_store_engine, resolve_url, split_schema, stored_revision
+    from store.errors import StorageError
+    from store.log.engine import (
+        create_store_engine,
+        describe_location,
+        resolve_url,
+        split_schema,
+        stored_revision,
+        unknown_revision_error,
+    )
     from store.log.schema import SCHEMA_REVISION, SCHEMA_REVISIONS
     from store.store import open_store
 
     where = location(store)
     url, schema = split_schema(resolve_url(where), None)
+    named = describe_location(url, schema)
     sqlite_path = url.database if url.get_backend_name() == "sqlite" else None
     if sqlite_path is not None and not os.path.exists(sqlite_path):
         if not create:
@@ -43,13 +54,16 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
         engine, _ = create_store_engine(url, "full", schema, read_only=True)
         try:
             before = stored_revision(engine, url)
-            empty = before is None and _is_empty(engine)
+            nothing = None if before is not None else _holds_nothing(engine, schema)
+            if before is not None and before not in SCHEMA_REVISIONS:
+                with engine.connect() as connection:
+                    raise unknown_revision_error(named, before, connection)
         finally:
             engine.dispose()
-        if before is None and not empty:
-            raise StorageError(f"{where} is not a store: it holds other tables and no store schema; left unchanged")
-        if before is not None and before not in SCHEMA_REVISIONS:
-            raise MigrationError(f"{where} has schema {before!r}, newer than this library's {SCHEMA_REVISION}")
+        if before is None and nothing is None:
+            raise StorageError(f"{named} is not a store: it holds other tables and no store schema; left unchanged")
+        if before is None and not create:
+            raise exits.CommandError(f"{named} holds no store ({nothing}); pass --create to create a new store there")
     with open_store(where) as opened:
         where_shown = shown(opened)
     shaped = {
@@ -67,10 +81,23 @@ def migrate(store: str | None, create: bool, as_json: bool) -> int:
     return exits.OK
 
 
-def _is_empty(engine: object) -> bool:
-    """Whether the database holds no table at all (a new file or an empty database)."""
+def _holds_nothing(engine: object, schema: str | None) -> str | None:
+    """Why the database holds nothing yet (an empty file, no tables, no such schema), or None
+    when it holds tables."""
     import sqlalchemy as sa
 
     assert isinstance(engine, sa.Engine)
     with engine.connect() as connection:
-        return not sa.inspect(connection).get_table_names()
+        if schema is not None:
+            found = connection.execute(
+                sa.text("SELECT 1 FROM pg_namespace WHERE nspname = :schema"), {"schema": schema}
+            ).first()
+            if found is None:
+                return f"the schema {schema} does not exist"
+            tables = sa.inspect(connection).get_table_names(schema=schema)
+        else:
+            tables = sa.inspect(connection).get_table_names()
+        connection.rollback()
+    if tables:
+        return None
+    return "an empty file" if engine.dialect.name == "sqlite" else "no tables"

@@ -27,14 +27,31 @@ def store_argument(function: F) -> F:
     return click.argument("store", required=False, metavar="[STORE]")(function)
 
 
+def looks_like_store(value: str) -> bool:
+    """Whether an argument names a store rather than a key: a URL, a path, a store file's suffix,
+    or a file that exists."""
+    return "://" in value or os.sep in value or value.endswith((".db", ".sqlite", ".sqlite3")) or os.path.exists(value)
+
+
+def _names_a_store(value: str) -> bool:
+    """Stricter than ``looks_like_store``: a key holds '/' (ROLLOUT/CALL), a store path need not."""
+    return "://" in value or value.endswith((".db", ".sqlite", ".sqlite3")) or os.path.isfile(value)
+
+
 def store_and(values: Sequence[str], name: str) -> tuple[str, str]:
-    """Split ``[STORE] NAME`` (a command's arguments) into the store and the other argument."""
+    """Split ``[STORE] NAME`` (a command's arguments) into the store and the other argument.
+
+    One argument is NAME when ``$STAGING_STORE`` names the store; without it, the missing
+    argument is blamed: NAME after something that looks like a store, else the store.
+    """
     if len(values) == 2:
         return values[0], values[1]
     if len(values) == 1:
+        if not os.environ.get(ENV) and _names_a_store(values[0]):
+            raise click.UsageError(f"missing argument {name} (after the store {values[0]})")
         return location(None), values[0]
     if not values:
-        raise click.UsageError(f"missing {name}")
+        raise click.UsageError(f"missing argument {name}")
     raise click.UsageError(f"expected [STORE] {name}, got {len(values)} arguments")
 
 
@@ -45,14 +62,17 @@ def location(given: str | None) -> str:
     from_env = os.environ.get(ENV, "")
     if from_env:
         return from_env
-    raise click.UsageError(f"no store given: pass STORE (a path or URL) or set {ENV}")
+    raise click.UsageError(f"no store given: pass STORE (a path or URL) first, or set {ENV}")
 
 
 def shown(store: Store) -> str:
-    """The store as the user knows it: a SQLite file's path, or the URL without its password."""
+    """The store as the user knows it: a SQLite file's path, or the URL without its password
+    (with its ``?schema=``, and ``postgresql://`` rather than the driver's name)."""
     url = store.url
-    prefix = "sqlite+pysqlite:///"
-    return url[len(prefix) :] if url.startswith(prefix) else url
+    for prefix, plain in (("sqlite+pysqlite:///", ""), ("postgresql+psycopg://", "postgresql://")):
+        if url.startswith(prefix):
+            return plain + url[len(prefix) :]
+    return url
 
 
 @contextmanager

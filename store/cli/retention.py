@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 
 from store.cli import exits, output
-from store.cli.opening import ENV, STORE_HELP, location, shown, writable
+from store.cli.opening import ENV, STORE_HELP, location, looks_like_store, shown, writable
 
 if TYPE_CHECKING:
     from store.store import Store
@@ -32,13 +32,9 @@ KEYS_HELP = (
 )
 
 
-def _looks_like_store(value: str) -> bool:
-    return "://" in value or os.sep in value or value.endswith((".db", ".sqlite", ".sqlite3")) or os.path.exists(value)
-
-
 def split_store(values: Sequence[str]) -> tuple[str, list[str]]:
     """``[STORE] KEY...``: the store and the capture keys given as arguments."""
-    if values and (not os.environ.get(ENV) or _looks_like_store(values[0])):
+    if values and (not os.environ.get(ENV) or looks_like_store(values[0])):
         return location(values[0]), list(values[1:])
     return location(None), list(values)
 

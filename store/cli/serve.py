@@ -89,7 +89,7 @@ def serve(
     POST /ng-control/v1/generation-cut, and GET .../rollouts/{id}/manifest, POST
     .../rollouts/retire and .../rollouts/delete under /training-token-capture/control;
     the routes' OpenAPI document is GET /openapi.json.  Prints one line with the address once
-    listening; Ctrl-C or SIGTERM stops it (exit 0).
+    listening; SIGTERM stops it gracefully (exit 0), Ctrl-C too (exit 130, as for every command).
     """
     try:
         import uvicorn  # noqa: F401  (the extra's server; checked here for a one-line error)

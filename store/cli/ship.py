@@ -61,6 +61,10 @@ def ship(
     if follow and (limit is not None or deadline is not None):
         raise click.UsageError("--follow ships until stopped; it takes no --limit or --deadline")
     with read_only(source) as src, writable(target) as dst:
+        if src.store_id == dst.store_id:
+            raise exits.CommandError(
+                f"SRC and DST are the same store ({shown(src)}); ship copies a log into another store", exits.USAGE
+            )
         if follow:
             with _stop_on_signals() as stop:
                 report = src.follow(dst, stop=stop, interval=interval, on_round=_round_printer(as_json))

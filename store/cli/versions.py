@@ -7,12 +7,13 @@ from typing import Any
 import click
 
 from store.cli import exits, output
+from store.cli.browse import known_rollout
 from store.cli.opening import STORE_HELP, read_only, store_argument
 
 
 @click.command(
     epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store versions demo-store/demo.db\n\n"
-    "  staging-store versions demo-store/demo.db --stale 9 --max-lag 2 --json",
+    "  staging-store versions demo-store/demo.db --stale 3 --max-lag 1 --json",
 )
 @store_argument
 @click.option("--rollout", "rollout_id", metavar="ROLLOUT", help="Only this rollout (every attempt).")
@@ -26,19 +27,25 @@ from store.cli.opening import STORE_HELP, read_only, store_argument
 @click.option(
     "--max-lag",
     type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
     metavar="N",
-    help="With --stale: how many versions behind CURRENT is still fresh.",
+    help="With --stale (only): how many versions behind CURRENT is still fresh.  [default: 0]",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def versions(store: str | None, rollout_id: str | None, current: int | None, max_lag: int, as_json: bool) -> int:
-    """Show generated tokens per policy version, store-wide and per rollout (every attempt counted once)."""
+def versions(store: str | None, rollout_id: str | None, current: int | None, max_lag: int | None, as_json: bool) -> int:
+    """Show generated tokens per policy version, store-wide and per rollout (every attempt counted once).
+
+    Exit 1 when --rollout names a rollout the store does not hold.
+    """
     if current is not None and rollout_id is not None:
         raise click.UsageError("--stale covers the whole store; drop --rollout")
+    if max_lag is not None and current is None:
+        raise click.UsageError("--max-lag only applies with --stale CURRENT")
+    max_lag = max_lag or 0
     with read_only(store) as opened:
         totals = opened.version_tokens(rollout_id)
         per_rollout = opened.rollout_versions(rollout_id)
+        if rollout_id is not None and not per_rollout:
+            known_rollout(opened, rollout_id)
         stale = None if current is None else opened.stale(current, max_lag)
     shaped: dict[str, Any] = {
         "tokens_by_version": {str(version): count for version, count in sorted(totals.items())},
@@ -75,34 +82,23 @@ def versions(store: str | None, rollout_id: str | None, current: int | None, max
     if as_json:
         output.emit_json(shaped)
         return exits.OK
-    parts: list[Any] = [
-        output.table("generated tokens by policy version", ["version", "tokens"], list(map(list, totals.items()))),
-        output.table(
-            "per rollout",
-            ["rollout", "oldest", "newest", "generated tokens"],
-            [
-                [r["rollout_id"], r["oldest_version"], r["newest_version"], r["generated_tokens"]]
-                for r in shaped["rollouts"]
-            ],
-        ),
-    ]
+    output.listing("generated tokens by policy version", ["version", "tokens"], [list(item) for item in totals.items()])
+    output.listing(
+        "\nper rollout",
+        ["rollout", "oldest", "newest", "generated tokens"],
+        [
+            [entry["rollout_id"], entry["oldest_version"], entry["newest_version"], entry["generated_tokens"]]
+            for entry in shaped["rollouts"]
+        ],
+    )
     if stale is not None:
-        parts.append(
-            output.table(
-                f"{len(stale.calls)} call(s) with tokens more than {max_lag} version(s) behind {current}: "
-                f"{stale.stale_tokens} stale tokens",
-                ["call", "state", "oldest", "stale tokens", "generated tokens"],
-                [
-                    [
-                        f"{c.capture_key}/{c.model_call_id}",
-                        c.state,
-                        c.oldest_version,
-                        c.stale_tokens,
-                        c.generated_tokens,
-                    ]
-                    for c in stale.calls
-                ],
-            )
+        output.listing(
+            f"\n{len(stale.calls)} call(s) with tokens more than {max_lag} version(s) behind {current}: "
+            f"{stale.stale_tokens} stale tokens",
+            ["call", "state", "oldest", "stale tokens", "generated tokens"],
+            [
+                [f"{c.capture_key}/{c.model_call_id}", c.state, c.oldest_version, c.stale_tokens, c.generated_tokens]
+                for c in stale.calls
+            ],
         )
-    output.show(*parts)
     return exits.OK

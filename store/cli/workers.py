@@ -34,24 +34,22 @@ def workers(store: str | None, lost: bool, as_json: bool) -> int:
     if as_json:
         output.emit_json(shaped)
         return exits.OK
-    output.show(
-        output.table(
-            f"{len(chosen)} policy worker(s)",
-            ["pid", "index", "state", "staged calls", "in flight when it left", "blocked checkpoint"],
+    output.listing(
+        f"{len(chosen)} policy worker(s)",
+        ["pid", "index", "state", "staged calls", "in flight when it left", "blocked checkpoint"],
+        [
             [
-                [
-                    worker.pid,
-                    worker.index,
-                    worker.state,
-                    _calls(worker.staged_calls),
-                    _calls(worker.in_flight_calls),
-                    worker.blocked_checkpoint,
-                ]
-                for worker in chosen
-            ],
-        ),
-        f"store: {where}",
+                worker.pid,
+                worker.index,
+                worker.state,
+                _calls(worker.staged_calls),
+                _calls(worker.in_flight_calls),
+                worker.blocked_checkpoint,
+            ]
+            for worker in chosen
+        ],
     )
+    output.show(f"store: {where}")
     return exits.OK
 
 

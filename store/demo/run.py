@@ -117,7 +117,8 @@ class Summary:
     late_writes_refused: int = 0  # a late write from a dead attempt, refused by its fence
     audit_ok: bool = False
     audit_problems: int = 0
-    exported_rows: int = 0
+    exported_rows: int = 0  # the export holds every rollout of the store (earlier runs' too)
+    exported_rollouts: int = 0
     rollouts_identical: int = 0
     seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
@@ -192,6 +193,36 @@ class Worker:
                     stream.close()
 
 
+def _spawn(path: str, jobs: list[dict[str, Any]], started: list[Worker]) -> list[Worker]:
+    """Start one worker per job, each registered in ``started`` as soon as its process exists.
+
+    The processes are started by a helper thread: a Ctrl-C raises in the main thread only, so
+    it can never land between a worker's fork and its registration, and ``run_demo``'s
+    cleanup then kills every worker that was started (none is left running).
+    """
+    made: list[Worker] = []
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            for job in jobs:
+                worker = Worker(path, job)
+                started.append(worker)
+                made.append(worker)
+        except BaseException as exc:  # handed to the main thread below
+            failed.append(exc)
+
+    spawner = threading.Thread(target=start, name="demo-spawner")
+    spawner.start()
+    try:
+        spawner.join()
+    finally:
+        spawner.join()  # after a Ctrl-C too: the worker being started is registered before cleanup
+    if failed:
+        raise failed[0]
+    return made
+
+
 def _plans(run: str, rollouts: int, tokens: int, seed: int) -> list[dict[str, Any]]:
     """Each rollout's id, its cut turn (1 or 2) and how far that turn decodes before the cut."""
     plans = []
@@ -237,7 +268,7 @@ def run_demo(
     say = step or (lambda _label: None)
     if Path(path).exists():  # add a run only to a store: another file is refused untouched
         open_store(path, read_only=True).close()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(exist_ok=True)  # the store's own folder only: a missing parent is refused
     run = _run_id(path)
     engine = script_for(engine_kind, seed, tokens, TURNS)
     plans = _plans(run, rollouts, tokens, seed)
@@ -278,8 +309,9 @@ def _serve_crash_restore(
     job = {"seed": engine.seed, "tokens": engine.tokens, "turns": TURNS, "socket": socket_path, "engine": engine.name}
     workers = len(shares)
     say(f"starting {workers} workers (attempt 0, policy version {POLICY_VERSION})")
-    first = [Worker(path, dict(job, phase="serve", version=POLICY_VERSION, rollouts=share)) for share in shares]
-    started_workers += first
+    first = _spawn(
+        path, [dict(job, phase="serve", version=POLICY_VERSION, rollouts=share) for share in shares], started_workers
+    )
     inflight = [worker.expect("inflight") for worker in first]
     say(f"{CHECKPOINT}: cutting {len(plans)} calls mid-decoding")
     acks: dict[str, str] = {}
@@ -316,19 +348,19 @@ def _serve_crash_restore(
     if summary.workers_lost != len(first):
         summary.failures.append(f"the coordinator logged {summary.workers_lost} of {len(first)} killed workers lost")
     say(f"starting {workers} fresh workers (attempt 1, policy version {POLICY_VERSION + 1})")
-    fresh = [
-        Worker(
-            path,
+    fresh = _spawn(
+        path,
+        [
             dict(
                 job,
                 phase="resume",
                 version=POLICY_VERSION + 1,
                 rollouts=[dict(plan, ack=acks[plan["rollout_id"]]) for plan in share],
-            ),
-        )
-        for share in shares
-    ]
-    started_workers += fresh
+            )
+            for share in shares
+        ],
+        started_workers,
+    )
     for worker, share in zip(fresh, shares, strict=True):
         for _ in share:
             done = worker.expect("done")
@@ -402,11 +434,12 @@ def _verify(
         records = store.fetch_chunks(keys)
         summary.records = len(records)
         summary.tokens_staged = sum(chunk.snapshot.delta_len for chunk in records)
-        say(f"exporting to {export_path}")
-        report = store.export_jsonl(export_path, rollout_ids=wanted)
+        say(f"exporting every rollout of the store to {export_path}")
+        report = store.export_jsonl(export_path)  # the whole store, so the file matches it after every run
     summary.exported_rows = report.rows
     for failure in report.failures:
         summary.failures.append(f"{failure.rollout_id} was not exported: {failure.code}: {failure.detail}")
+    summary.exported_rollouts = report.rollouts
     rows = {}
     with open(export_path, encoding="utf-8") as lines:
         for line in lines:

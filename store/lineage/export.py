@@ -9,8 +9,11 @@ is reported with its code.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import secrets
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -131,8 +134,8 @@ def _lines(reader: Reader, rollout_id: str) -> list[bytes]:
 
 
 def _failure(rollout_id: str, exc: Exception) -> ExportFailure:
-    if isinstance(exc, ReceiptVerificationError):
-        return ExportFailure(rollout_id, exc.code, str(exc))
+    if isinstance(exc, ReceiptVerificationError):  # its message starts with its code: the detail is the rest
+        return ExportFailure(rollout_id, exc.code, str(exc).removeprefix(f"{exc.code}: "))
     code = "missing_record" if isinstance(exc, UnknownKeyError) else "corrupt_record"
     return ExportFailure(rollout_id, code, str(exc))
 
@@ -152,12 +155,8 @@ def _checked(write: Writer) -> Writer:
 @contextmanager
 def _sink(file: Any) -> Iterator[Writer]:
     if isinstance(file, (str, os.PathLike)):
-        try:
-            opened = open(file, "wb")  # noqa: SIM115 (closed below, after the export)
-        except (OSError, ValueError) as exc:
-            raise InvalidRecordError(f"export_jsonl() cannot open {file!r}: {exc}") from exc
-        with opened:
-            yield opened.write
+        with _replacing(os.fsdecode(file)) as write:
+            yield write
         return
     if isinstance(file, io.TextIOBase):
         text: IO[str] = file  # type: ignore[assignment]
@@ -167,6 +166,53 @@ def _sink(file: Any) -> Iterator[Writer]:
         yield _checked(file.write)
         return
     raise InvalidRecordError(f"export_jsonl() writes to a path or a writable file, got {type(file).__name__}")
+
+
+@contextmanager
+def _replacing(path: str) -> Iterator[Writer]:
+    """Write a path's new content to a temporary file beside it, renamed over it once complete.
+
+    An export that fails or is interrupted leaves the path as it was (absent, or its old
+    content) and no temporary file, so a file that is there is always a whole export.  A
+    path that is not a regular file (``/dev/null``, a FIFO) is written in place.
+    """
+    try:
+        existing = os.stat(path)
+    except FileNotFoundError:
+        existing = None
+    except (OSError, ValueError) as exc:
+        raise InvalidRecordError(f"export_jsonl() cannot write {path}: {_reason(exc)}") from exc
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        try:
+            opened = open(path, "wb")  # noqa: SIM115 (closed below, after the export)
+        except (OSError, ValueError) as exc:
+            raise InvalidRecordError(f"export_jsonl() cannot write {path}: {_reason(exc)}") from exc
+        with opened:
+            yield opened.write
+        return
+    folder, name = os.path.split(os.path.abspath(path))
+    partial = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
+    try:  # O_EXCL: never another file's; mode 0666 less the umask, as open() would create it
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except (OSError, ValueError) as exc:
+        where = f"the folder {folder} does not exist" if not os.path.isdir(folder) else _reason(exc)
+        raise InvalidRecordError(f"export_jsonl() cannot write {path}: {where}") from exc
+    try:
+        with os.fdopen(descriptor, "wb") as opened:
+            yield opened.write
+            opened.flush()
+            os.fsync(opened.fileno())  # the new content is on disk before it takes the name
+        if existing is not None:
+            os.chmod(partial, stat.S_IMODE(existing.st_mode))
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def export_jsonl(

@@ -253,7 +253,12 @@ def _create_engine(url: URL, **options: Any) -> Engine:
     try:
         return sa.create_engine(url, **options)
     except ImportError as exc:
-        raise ConfigurationError(f"the driver for {url.drivername} is not installed: {exc}") from exc
+        if url.get_backend_name() == "postgresql":
+            raise ConfigurationError(
+                f"the PostgreSQL driver ({exc.name or 'psycopg'}) is not installed: "
+                "pip install 'staging-store[postgres]'"
+            ) from exc
+        raise ConfigurationError(f"the driver for {url.drivername} is not installed ({exc.name or exc})") from exc
     except sa.exc.ArgumentError as exc:
         raise ConfigurationError(f"cannot use {url.drivername!r}: {exc}") from exc
 
@@ -418,22 +423,25 @@ def migrate(engine: Engine, backend: Backend, schema: str | None = None) -> None
             if schema is not None:
                 connection.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
             revision = current_revision(connection)
+            if revision is not None and revision not in SCHEMA_REVISIONS:
+                raise unknown_revision_error(describe_location(engine.url, schema), revision, connection)
             if revision != SCHEMA_REVISION:
                 _run_alembic(connection)
             connection.commit()
-    except MigrationError:
+    except StorageError:
         raise
     except errors as exc:
         raise opening_error(engine.url, exc) from exc
 
 
-def check_schema(engine: Engine, url: URL) -> None:
+def check_schema(engine: Engine, url: URL, schema: str | None = None) -> None:
     """A read-only open: the schema must be exactly this library's (never migrated here).
 
-    Raises ``StorageError`` if the database is not a store (or cannot be read), and
-    ``MigrationError`` if its schema is older (run a migration) or newer than this library.
+    Raises ``StorageError`` if the database is not a store (or cannot be read, or holds
+    another tool's alembic schema), and ``MigrationError`` if its schema is older (run a
+    migration) or newer than this library.
     """
-    where = describe_location(url)
+    where = describe_location(url, schema)
     revision = stored_revision(engine, url)
     if revision is None:
         raise StorageError(f"{where} is not a store (it has no store schema)")
@@ -444,7 +452,28 @@ def check_schema(engine: Engine, url: URL) -> None:
             f"{where} has schema {revision}, older than this library's {SCHEMA_REVISION}; "
             "migrate it first (staging-store migrate); it was opened read-only and left unchanged"
         )
-    raise MigrationError(
+    try:
+        with engine.connect() as connection:
+            raise unknown_revision_error(where, revision, connection)
+    except driver_errors(engine) as exc:
+        raise read_only_error(url, exc) from exc
+
+
+# Tables every staging-store schema has had since 0001: an alembic database without them
+# belongs to another tool, whatever its revision says.
+STORE_TABLES = ("events", "staged_keys", "calls")
+
+
+def unknown_revision_error(where: str, revision: str, connection: sa.Connection) -> StorageError:
+    """A revision this library does not know: a newer store's, or another tool's alembic schema."""
+    tables = set(sa.inspect(connection).get_table_names())
+    connection.rollback()
+    if not set(STORE_TABLES) <= tables:
+        return StorageError(
+            f"{where} is not a staging-store database (it holds another tool's alembic schema, "
+            f"revision {revision!r}); left unchanged"
+        )
+    return MigrationError(
         f"{where} has schema {revision!r}, which this library ({SCHEMA_REVISION}) does not know: "
         "it is newer; upgrade staging-store to read it"
     )
@@ -461,10 +490,16 @@ def stored_revision(engine: Engine, url: URL) -> str | None:
     return revision
 
 
-def describe_location(url: URL) -> str:
-    """The store's path (SQLite) or its URL with the password hidden."""
+def describe_location(url: URL, schema: str | None = None) -> str:
+    """The store's path (SQLite) or its URL with the password hidden, naming its ``?schema=``
+    (taken out of the URL the driver sees) as the user gave it, and the driver as they would
+    (``postgresql://``, not ``postgresql+psycopg://``)."""
     if url.get_backend_name() == "sqlite" and url.database:
         return str(url.database)
+    if url.get_backend_name() == "postgresql":
+        url = url.set(drivername="postgresql")
+    if schema is not None:
+        url = url.update_query_dict({"schema": schema})
     return url.render_as_string(hide_password=True)
 
 
