@@ -500,22 +500,92 @@ def no_stray_workers(tmp_path: Path) -> Iterator[None]:
     yield
     # The demo's workers are children of the demo; none must outlive an interrupted demo.  Only
     # this test's workers count (their command line names its store), not other runs' demos.
-    listed = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False).stdout
-    assert not [line for line in listed.splitlines() if "store.demo.worker" in line and str(tmp_path) in line]
+    assert _workers_of(tmp_path) == []
+
+
+def _workers_of(tmp_path: Path) -> list[str]:
+    # -ww: whole command lines (without it ps cuts them to $COLUMNS, and with them the path)
+    listed = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=False).stdout
+    return [line for line in listed.splitlines() if "store.demo.worker" in line and str(tmp_path) in line]
+
+
+HARNESS = Path(__file__).with_name("interrupt_harness.py")
+BIG_DEMO = ["--rollouts", "64", "--workers", "2", "--tokens", "4096"]  # seconds of serving, even on a fast machine
+# The installed script, started with SIGINT at its default (Python's KeyboardInterrupt), as a
+# terminal's foreground job has it: a test run in the background of a non-interactive shell
+# inherits SIGINT ignored, and so would the script (Python keeps an inherited SIG_IGN).
+AS_IN_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def test_ctrl_c_ends_the_demo_quietly(tmp_path: Path, no_stray_workers: None) -> None:
+    """The installed script: Ctrl-C once its worker processes are serving (the sign: they exist)."""
     proc = subprocess.Popen(
-        [str(SCRIPT), "demo", "--path", str(tmp_path / "d.db"), "--rollouts", "4", "--tokens", "512"],
+        [sys.executable, "-c", AS_IN_A_TERMINAL, str(SCRIPT), "demo", "--path", str(tmp_path / "d.db"), *BIG_DEMO],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2.0)  # workers started, rollouts being served
+    deadline = time.monotonic() + 120
+    while not _workers_of(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the demo ended before its workers were seen"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and out == ""
+
+
+def _interrupted_in(phase: str, arguments: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``staging-store ARGUMENTS`` held in PHASE (tests/interrupt_harness.py), Ctrl-C it there."""
+    sign_read, sign_write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, str(HARNESS), phase, str(sign_write), *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        pass_fds=[sign_write],
+    )
+    os.close(sign_write)
+    with os.fdopen(sign_read) as sign:
+        reached = sign.readline().strip()  # blocks until the phase is reached (or the child ends)
+    if reached != phase:
+        proc.kill()
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"the command never reached {phase!r} (exit {proc.returncode}):\n{out}{err}")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("phase", ["start-up", "spawning", "serving", "respawning", "audit", "export"])
+def test_ctrl_c_ends_the_demo_in_every_phase(phase: str, tmp_path: Path, no_stray_workers: None) -> None:
+    """Exit 130, nothing on stdout, no traceback, no worker left, and no half-written export."""
+    store = tmp_path / "d.db"
+    done = _interrupted_in(
+        phase, ["demo", "--path", str(store), "--rollouts", "2", "--workers", "2", "--tokens", "16"], tmp_path
+    )
+    assert done.returncode == 130, (done.stdout, done.stderr)
+    assert done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir() if "jsonl" in path.name) == []  # no partial file
+    if phase == "start-up":
+        assert not store.exists()  # interrupted before it opened anything
+
+
+@pytest.mark.parametrize(("phase", "command"), [("audit", "audit"), ("export", "export")])
+def test_ctrl_c_ends_a_long_read_command(
+    phase: str, command: str, demo: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """An interrupted export leaves FILE as it was (here: its earlier content) and no temporary file."""
+    target = tmp_path / "rows.jsonl"
+    target.write_text("an earlier export\n")
+    arguments = [command, str(demo[0]), *(["-o", str(target)] if command == "export" else [])]
+    done = _interrupted_in(phase, arguments, tmp_path)
+    assert done.returncode == 130 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    assert target.read_text() == "an earlier export\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rows.jsonl"]
 
 
 def test_errors_keep_the_driver_text_out() -> None:

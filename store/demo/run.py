@@ -202,6 +202,7 @@ def _spawn(path: str, jobs: list[dict[str, Any]], started: list[Worker]) -> list
     """
     made: list[Worker] = []
     failed: list[BaseException] = []
+    finished = threading.Event()  # not Thread.join: in 3.11 an interrupted join marks the thread ended
 
     def start() -> None:
         try:
@@ -211,13 +212,14 @@ def _spawn(path: str, jobs: list[dict[str, Any]], started: list[Worker]) -> list
                 made.append(worker)
         except BaseException as exc:  # handed to the main thread below
             failed.append(exc)
+        finally:
+            finished.set()
 
-    spawner = threading.Thread(target=start, name="demo-spawner")
-    spawner.start()
+    threading.Thread(target=start, name="demo-spawner", daemon=True).start()
     try:
-        spawner.join()
+        finished.wait()
     finally:
-        spawner.join()  # after a Ctrl-C too: the worker being started is registered before cleanup
+        finished.wait()  # after a Ctrl-C too: the worker being started is registered before cleanup
     if failed:
         raise failed[0]
     return made
