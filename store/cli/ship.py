@@ -20,8 +20,14 @@ from store.cli.opening import read_only, shown, writable
 @click.command(
     epilog="SRC and DST are SQLite paths or postgresql:// URLs; both must already be stores (create an "
     "empty target with `staging-store migrate DST --create`).\n\n"
-    "Examples:\n\n  staging-store ship worker-7.db postgresql://trainer@db/fleet\n\n"
-    "  staging-store ship worker-7.db shared.db --json\n\n"
+    "Examples:
+
+  staging-store migrate shared.db --create
+
+"
+    "  staging-store ship demo-store/demo.db shared.db --json
+
+"
     "  staging-store ship worker-7.db postgresql://trainer@db/fleet --follow --interval 1",
 )
 @click.argument("source", metavar="SRC")
