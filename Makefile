@@ -44,6 +44,7 @@ bench: $(TOOLS)
 	$(PY) tools/bench_http.py
 	@if $(PY) -c "import torch, transformers" 2>/dev/null; then $(PY) tools/bench_engine.py; \
 	else echo "tools/bench_engine.py skipped: it needs torch and the [transformers] extra"; fi
+	$(PY) tools/bench_cli_tables.py
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

@@ -7,7 +7,9 @@ every public name and command is documented.
   holding ``demo-store/``: a copy of the store that docs/cli.md's demo line (``SEED_LINE``,
   ``staging-store demo --workers 1``) makes when run once per test run in an empty directory
   (that line itself is checked by that run). ``staging-store`` is the one installed beside
-  this interpreter.  A line must exit 0, or the code its comment names (``...  # exits 1``).
+  this interpreter, and the directory's ``.venv`` is this interpreter's venv (so
+  ``.venv/bin/staging-store`` runs as in a checkout after ``make demo``).  A line must exit 0,
+  or the code its comment names (``...  # exits 1``).
   ``make TARGET`` lines run as ``make -n TARGET`` in the checkout (the target exists and runs
   what it says); a ``staging-store serve`` line is started, must print its ``serving ... on
   http://HOST:PORT`` line, refuse a request without the token of its ``--token-file`` (401)
@@ -62,6 +64,7 @@ LANGUAGES = {"python", "sh", "text"}  # text: usage lines and output, never run
 PROGRAM_TIMEOUT = 120.0
 LINE_TIMEOUT = 60.0
 BIN = Path(sys.executable).parent
+VENV = BIN.parent  # the venv the tests run in; a block's .venv/bin/staging-store is its script
 POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
 EXTRAS = {"http": ("fastapi", "uvicorn", "httpx"), "transformers": ("transformers",)}
 MAKE_RECIPES = {"demo": "staging-store demo", "test": "pytest", "bench": "tools/bench_"}
@@ -282,6 +285,7 @@ def _check_serve(line: str, workdir: Path, env: dict[str, str]) -> str | None:
 def _run_shell(block: Block, workdir: Path, env: dict[str, str], demo: Future[Path]) -> Outcome:
     seed = demo.result()
     shutil.copytree(seed / "demo-store", workdir / "demo-store")
+    (workdir / ".venv").symlink_to(VENV, target_is_directory=True)  # as `make demo` leaves a checkout
     outcome = Outcome()
     for line in shell_lines(block.code):
         if shlex.split(line, comments=True) == shlex.split(SEED_LINE):
@@ -375,6 +379,18 @@ def test_the_readme_tour_stages_audits_and_runs() -> None:
     tour = next(block for block in BLOCKS if block.path.name == "README.md" and block.language == "python")
     assert "every projection matches the log" in tour.prints
     assert "store.stage(record)" in tour.code
+
+
+def test_the_readme_commands_run_right_after_make_demo() -> None:
+    """``make demo`` puts the script in ``.venv/bin``, off PATH: the README's lines name it there."""
+    lines = [
+        line
+        for block in BLOCKS
+        if block.path.name == "README.md" and block.language == "sh"
+        for line in shell_lines(block.code)
+        if not line.startswith("make ")
+    ]
+    assert lines and all(line.startswith(".venv/bin/staging-store ") for line in lines), lines
 
 
 def test_every_block_is_of_a_known_kind_and_every_directive_is_placed() -> None:
