@@ -912,7 +912,7 @@ def test_commands_reach_a_postgresql_schema_named_in_the_url(copy: Path, capsys:
     database = request.getfixturevalue("postgres_run_url")
     reset_postgres(database)
     url = f"{database}?schema=fleet"
-    code, out, err = run(capsys, "migrate", url, "--json")
+    code, out, err = run(capsys, "migrate", url, "--create", "--json")  # the schema does not exist yet
     migrated = json.loads(out)
     assert code == 0 and migrated["from_revision"] is None and migrated["store"].endswith("?schema=fleet"), err
     code, out, err = run(capsys, "ship", str(copy), url, "--json")

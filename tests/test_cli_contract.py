@@ -347,7 +347,7 @@ def test_the_demo_creates_no_missing_folders(tmp_path: Path, capsys: Any) -> Non
 
 PRINTING = [
     ["audit"], ["replay"], ["rollouts"], ["lineage", "run1-r0"], ["keys"], ["keys", "--json"],
-    ["show", "run1-r0/c0"], ["versions"], ["export"], ["workers"],
+    ["show", "run1-r0/c0"], ["versions"], ["export"], ["workers"], ["receipts"],
 ]  # fmt: skip
 
 
@@ -393,6 +393,8 @@ UNKNOWN = [
     ["versions", "--rollout", "no-such-rollout", "--json"],
     ["export", "--rollout", "no-such-rollout", "-o", os.devnull],
     ["show", "no-such-rollout/c0"],
+    ["receipts", "--rollout", "no-such-rollout"],
+    ["receipts", "--checkpoint", "no-such-rollout"],
 ]
 
 

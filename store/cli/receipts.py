@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from store.cli import exits, output
+from store.cli.browse import known_rollout
 from store.cli.opening import STORE_HELP, read_only, shown, store_argument
 
 if TYPE_CHECKING:
@@ -27,12 +28,18 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
     What an orchestrator that lost its process needs to continue a cut call: the staging keys,
     generated-token count, digest and output limit of each durable prefix (a worker continues
     one with RolloutTokenCapture.continue_latest_cut).  The store is opened read-only.
+    Exit 1 when --rollout names a rollout the store does not hold, or --checkpoint a checkpoint
+    it kept no receipt of.
     """
     from store.wire.records import to_json
 
     with read_only(store) as opened:
         found = opened.cut_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)
         where = shown(opened)
+        if rollout_id is not None and not found:
+            known_rollout(opened, rollout_id.rsplit("-a", 1)[0] if _is_capture_key(rollout_id) else rollout_id)
+    if checkpoint_id is not None and not found and rollout_id is None:
+        raise exits.CommandError(f"no receipt of checkpoint {checkpoint_id!r} in the store", exits.PROBLEMS)
     if as_json:
         import json
 
@@ -44,15 +51,19 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
         for ack in receipt.prefixes
         if rollout_id is None or rollout_id in (ack.rollout_id, _capture_key(ack))
     ]
-    output.show(
-        output.table(
-            f"{len(found)} receipt(s), {len(rows)} acknowledgement(s)",
-            ["checkpoint", "capture key", "call", "disposition", "kind", "tokens", "limit", "finish", "keys"],
-            rows,
-        ),
-        f"store: {where}",
+    output.listing(
+        f"{len(found)} receipt(s), {len(rows)} acknowledgement(s)",
+        ["checkpoint", "capture key", "call", "disposition", "kind", "tokens", "limit", "finish", "keys"],
+        rows,
     )
+    output.show(f"store: {where}")
     return exits.OK
+
+
+def _is_capture_key(text: str) -> bool:
+    """``ROLLOUT-aN`` (attempt N >= 1) names an attempt of ROLLOUT."""
+    stem, _, attempt = text.rpartition("-a")
+    return bool(stem) and attempt.isdigit()
 
 
 def _capture_key(ack: GenerationCutPrefixAck) -> str:
@@ -67,9 +78,9 @@ def _row(checkpoint_id: str, ack: GenerationCutPrefixAck) -> list[Any]:
         _capture_key(ack),
         ack.model_call_id,
         ack.disposition,
-        ack.cut_kind or "",
-        "" if ack.prefix_token_count is None else ack.prefix_token_count,
-        "" if ack.effective_output_limit is None else ack.effective_output_limit,
-        ack.terminal_finish_reason or "",
+        ack.cut_kind,
+        ack.prefix_token_count,
+        ack.effective_output_limit,
+        ack.terminal_finish_reason,
         len(ack.staging_keys),
     ]
