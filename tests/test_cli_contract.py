@@ -366,23 +366,30 @@ def test_a_closed_pipe_is_141_for_every_command(args: list[str], demo: tuple[Pat
 
 
 def test_a_closed_pipe_part_way_through_a_long_listing_is_141(copy: Path) -> None:
-    """Reading the first lines of a table longer than a pipe holds (``| head``) ends it with 141."""
+    """The reader takes the first lines of a listing longer than a pipe holds, then leaves (``| head``):
+    the command is cut short and ends with 141, quietly.
+
+    The reader here reads 200 bytes and closes, so the rest (far beyond the pipe's 64 KiB) can
+    never all be buffered: a ``| head`` reads a larger first chunk, and on a loaded machine a
+    short listing could be written whole before head exits (then 0 is right, and racy to test).
+    """
     from factories import make_record
 
     from store import StageEntry, open_store
 
     with open_store(copy) as opened:
-        for start in range(0, 2000, 500):
+        for start in range(0, 4000, 500):
             batch = [make_record(rollout_id=f"many-{n}", model_call_id="c0") for n in range(start, start + 500)]
             opened.stage_all([StageEntry(record) for record in batch])
     for command in ("keys", "rollouts", "versions"):
-        done = subprocess.run(
-            ["bash", "-c", f"{shlex.quote(str(SCRIPT))} {command} {shlex.quote(str(copy))} | head -3; "
-             'echo "exit ${PIPESTATUS[0]}"'],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert done.stdout.splitlines()[-1] == "exit 141" and done.stderr == "", (command, done.stdout, done.stderr)
-        assert len(done.stdout.splitlines()) == 4
+        proc = subprocess.Popen([str(SCRIPT), command, str(copy)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.read(200)
+        proc.stdout.close()
+        code = proc.wait(timeout=120)
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        assert first.count(b"\n") >= 3 and (code, err) == (141, ""), (command, first, code, err)
 
 
 UNKNOWN = [
