@@ -369,7 +369,7 @@ def test_a_closed_pipe_part_way_through_a_long_listing_is_141(copy: Path) -> Non
     """The reader takes the first lines of a listing longer than a pipe holds, then leaves (``| head``):
     the command is cut short and ends with 141, quietly.
 
-    The reader here reads 200 bytes and closes, so the rest (far beyond the pipe's 64 KiB) can
+    The reader here reads 2,000 bytes and closes, so the rest (far beyond the pipe's 64 KiB) can
     never all be buffered: a ``| head`` reads a larger first chunk, and on a loaded machine a
     short listing could be written whole before head exits (then 0 is right, and racy to test).
     """
@@ -384,7 +384,7 @@ def test_a_closed_pipe_part_way_through_a_long_listing_is_141(copy: Path) -> Non
     for command in ("keys", "rollouts", "versions"):
         proc = subprocess.Popen([str(SCRIPT), command, str(copy)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert proc.stdout is not None and proc.stderr is not None
-        first = proc.stdout.read(200)
+        first = proc.stdout.read(2000)
         proc.stdout.close()
         code = proc.wait(timeout=120)
         err = proc.stderr.read().decode()
