@@ -20,14 +20,8 @@ from store.cli.opening import read_only, shown, writable
 @click.command(
     epilog="SRC and DST are SQLite paths or postgresql:// URLs; both must already be stores (create an "
     "empty target with `staging-store migrate DST --create`).\n\n"
-    "Examples:
-
-  staging-store migrate shared.db --create
-
-"
-    "  staging-store ship demo-store/demo.db shared.db --json
-
-"
+    "Examples:\n\n  staging-store migrate shared.db --create\n\n"
+    "  staging-store ship demo-store/demo.db shared.db --json\n\n"
     "  staging-store ship worker-7.db postgresql://trainer@db/fleet --follow --interval 1",
 )
 @click.argument("source", metavar="SRC")
