@@ -145,7 +145,8 @@ def test_serve_says_and_does_exit_130_on_ctrl_c(demo: tuple[Path, dict[str, Any]
     assert "130" in text and "(exit 0)." not in text.replace("\n", " ").split("Ctrl-C")[-1][:40]
     pytest.importorskip("uvicorn")
     token = tmp_path / "token.txt"
-    token.write_text("change-me\n")
+    token.write_text("change-me-to-a-long-secret\n")  # serve refuses a short or world-readable token
+    token.chmod(0o600)
     serve = ["serve", str(demo[0]), "--token-file", str(token), "--port", "0"]
     server = subprocess.Popen(
         [sys.executable, "-c", AS_IN_A_TERMINAL, str(SCRIPT), *serve],
