@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -107,10 +108,13 @@ FORKS = 8
 def test_a_child_forked_while_another_thread_writes_can_stage(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with open_store(store_url) as opened:
         stop = threading.Event()
+        resume = threading.Event()  # cleared while a child stages: SQLite's busy wait is unfair, and
+        resume.set()  # a parent writing on meanwhile could starve the child past its timeout on a busy host
         staged: list[str] = []
 
         def stage_continuously() -> None:
             while not stop.is_set():
+                resume.wait()
                 record = make_record(rollout_id="busy-parent", model_call_id=f"c{len(staged)}")
                 assert opened.stage(record).ok
                 staged.append(record.staging_key)
@@ -130,9 +134,15 @@ def test_a_child_forked_while_another_thread_writes_can_stage(store_url: str, mo
                         # A child that inherited the parent's lock bookkeeping would wait this long, then fail.
                         engine_module.BUSY_TIMEOUT_MS = 3000
                         code = 0 if opened.stage(child_record).ok else 2
+                    except BaseException:
+                        traceback.print_exc()  # the parent's assertion shows why (captured output)
                     finally:
                         os._exit(code)
-                assert wait_for_child(pid) == 0, f"the child of fork {trial} could not stage"
+                resume.clear()  # forked while the thread wrote; it finishes that write, then waits
+                try:
+                    assert wait_for_child(pid) == 0, f"the child of fork {trial} could not stage"
+                finally:
+                    resume.set()
         finally:
             stop.set()
             finish()
