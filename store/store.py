@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -17,7 +18,7 @@ from store.append.log import EventLog
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
 from store.append.transaction import WriteTransaction
-from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError
+from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError, StoreClosedError
 from store.lifecycle import CallGate, operation, track_for_fork
 from store.lineage import export, tree, versions
 from store.lineage import linearize as lineage_linearize
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+log = logging.getLogger("store")
+
 
 @dataclass(frozen=True)
 class StageEntry:
@@ -97,6 +100,11 @@ class Store:
         self._store_id: str | None = None
         self._read_only = arguments.flag("read_only", read_only)
         self._calls = CallGate()
+        # Stops for the threads of objects built on this store (a capture's flush thread), run
+        # first by close(): none of them outlives the store, and none writes after it.
+        self._close_hooks: dict[object, Callable[[], None]] = {}
+        self._close_hooks_lock = threading.Lock()
+        self._closing = False
         self._engine, self._backend = create_store_engine(
             self._url, self._durability, schema, read_only=self._read_only, pool_size=pool_size
         )
@@ -154,6 +162,7 @@ class Store:
 
     def _after_fork_in_child(self) -> None:
         self._calls.reset_in_child()
+        self._close_hooks_lock = threading.Lock()  # the parent's may be held by a thread the child lacks
         self._forget_parent_connections()
 
     def _forget_parent_connections(self) -> None:
@@ -189,6 +198,7 @@ class Store:
         kind: EventKind = EventKind.CALL_COMPLETED,
         spans: Sequence[Span] | None = None,
         completion: Completion | None = None,
+        recorded_at: float | None = None,
     ) -> StageResult:
         """Stage ``record`` durably; returns only after the commit.
 
@@ -196,8 +206,10 @@ class Store:
         different record under a used key is refused (``ok=False``) and writes nothing.
         ``kind`` and ``spans`` let the capture mark cut prefixes and chunks; the default
         is a call's terminal record, its generated tokens produced by its weight version.
+        ``recorded_at``: the event's time (seconds since the epoch; now when None), as the
+        capture's clock stamps a completion so its evidence ages on that clock.
         """
-        event = self._record_event(record, staging_key, kind, spans, completion)
+        event = self._record_event(record, staging_key, kind, spans, completion, _recorded_at(recorded_at))
         stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
         return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
 
@@ -259,6 +271,7 @@ class Store:
         kind: EventKind,
         spans: Sequence[Span] | None,
         completion: Completion | None,
+        recorded_at: float | None = None,
     ) -> NewEvent:
         """The event of one record to stage (a ``StageEntry``'s fields; ``stage`` makes no
         entry); every argument is checked here, before any write."""
@@ -274,7 +287,7 @@ class Store:
         else:
             checked = arguments.spans(spans, columns.token_mask, kind)
         body = record_body(record, checked, arguments.completion(completion))
-        return NewEvent(kind, rollout_id, model_call_id, body, key, columns)
+        return NewEvent(kind, rollout_id, model_call_id, body, key, columns, recorded_at=recorded_at)
 
     @operation
     def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
@@ -528,9 +541,8 @@ class Store:
         """Log an accepted admission; ``recorded_at`` is its admission time (now when None)."""
         arguments.stream(rollout_id, model_call_id)
         arguments.body(EventKind.CALL_ADMITTED, body)
-        if recorded_at is not None and (type(recorded_at) is not float or not math.isfinite(recorded_at)):
-            raise InvalidRecordError(f"recorded_at must be a finite float, got {recorded_at!r}")
-        event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body, recorded_at=recorded_at)
+        at = _recorded_at(recorded_at)
+        event = NewEvent(EventKind.CALL_ADMITTED, rollout_id, model_call_id, body, recorded_at=at)
         self._log.write(lambda tx: tx.append(event), durable=False)  # holds no tokens
 
     @operation
@@ -652,11 +664,40 @@ class Store:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
+    def _on_close(self, stop: Callable[[], None]) -> Callable[[], None]:
+        """Have ``close()`` call ``stop`` first, while the store is still open, so a thread built
+        on this store (a capture's flush thread) ends, finishing the write it is in, before
+        calls are refused.  Returns the function that removes ``stop``; ``StoreClosedError``
+        once the store is closing."""
+        token = object()
+        with self._close_hooks_lock:
+            if self._closing:
+                raise StoreClosedError("this store was closed")
+            self._close_hooks[token] = stop
+
+        def remove() -> None:
+            with self._close_hooks_lock:
+                self._close_hooks.pop(token, None)
+
+        return remove
+
     def close(self) -> None:
-        """Close the store.  Calls in flight finish first; a write queued behind the batch being
-        committed raises ``StoreClosedError``.  Once ``close()`` returns nothing more commits
-        and no connection stays open; every later call raises ``StoreClosedError``."""
-        self._calls.close(stop_writes=self._log.close, release=self._engine.dispose)
+        """Close the store.  Threads built on it (a capture's periodic flush) are stopped and
+        joined first, a flush in progress committing whole; then calls in flight finish, and a
+        write queued behind the batch being committed raises ``StoreClosedError``.  Once
+        ``close()`` returns nothing more commits and no connection stays open; every later call
+        raises ``StoreClosedError``."""
+        with self._close_hooks_lock:
+            self._closing = True
+            stops, self._close_hooks = list(self._close_hooks.values()), {}
+        try:
+            for stop in stops:
+                try:
+                    stop()
+                except Exception:  # one object's stop never keeps the store open
+                    log.exception("stopping %r before closing the store failed", stop)
+        finally:
+            self._calls.close(stop_writes=self._log.close, release=self._engine.dispose)
 
     def __enter__(self) -> Store:
         return self
@@ -694,6 +735,12 @@ def open_store(
     take turns on it.  SQLite ignores it (a file has no connection limit).
     """
     return Store(url_or_path, durability=durability, schema=schema, read_only=read_only, pool_size=pool_size)
+
+
+def _recorded_at(value: float | None) -> float | None:
+    if value is not None and (type(value) is not float or not math.isfinite(value)):
+        raise InvalidRecordError(f"recorded_at must be a finite float (seconds since the epoch), got {value!r}")
+    return value
 
 
 def _names(ack: GenerationCutPrefixAck, rollout_id: str) -> bool:

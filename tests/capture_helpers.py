@@ -23,6 +23,20 @@ class Versions:
         return self.value
 
 
+class FakeClock:
+    """An injectable clock (seconds since the epoch) that moves only when told: TTLs without sleeps."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "the clock only moves forward"
+        self.now += seconds
+
+
 def event_count(store: Store) -> int:
     """Events in the log (and the projections still match it)."""
     report = store.replay()

@@ -75,11 +75,19 @@ class RolloutTokenCapture:
         flush_threshold_tokens: int = 0,
         flush_interval: float = 0.25,
         completion_evidence_ttl: float = 3600.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """``completion_evidence_ttl``: how long (seconds, on ``clock``) a cut may still acknowledge
+        a call completed before the cut reached it; older evidence is never used and is dropped.
+        ``clock``: seconds since the epoch, stamping admissions, completions and evidence ages
+        (inject one to test TTLs without sleeping).  With ``flush_threshold_tokens`` a flush
+        thread runs every ``flush_interval`` seconds until ``close()`` or the store's close."""
         if not isinstance(store, Store):
             raise CaptureError(f"store must be a store.Store, got {type(store).__name__}")
         if not callable(weight_version_fn):
             raise CaptureError("weight_version_fn must be callable")
+        if not callable(clock):
+            raise CaptureError(f"clock must be callable (like time.time), got {clock!r}")
         _check_flush_options(flush_threshold_tokens, flush_interval, completion_evidence_ttl)
         self.store = store
         self._weight_version_fn = weight_version_fn
@@ -89,6 +97,7 @@ class RolloutTokenCapture:
             flush_threshold_tokens=flush_threshold_tokens,
             flush_interval=flush_interval,
             evidence_ttl=completion_evidence_ttl,
+            clock=clock,
         )
 
     # --- admission (4.3 - 4.6) -----------------------------------------------------------------
@@ -112,6 +121,7 @@ class RolloutTokenCapture:
         call must then carry it.  Without it the call is stamped with this worker's clock
         (``call.admitted_at``) and tickets are not compared.
         """
+        self.cuts.check_process()
         if not isinstance(admission, CaptureAdmission):
             raise AdmissionTypeError(f"begin_call needs a CaptureAdmission, got {type(admission).__name__}")
         if type(stream) is not bool:
@@ -149,7 +159,7 @@ class RolloutTokenCapture:
             # The rebuilt snapshot's chain and cumulative hashes were computed from this very
             # parent chain hash and prefix, so the parent-token check (4.6) holds by construction.
             generation_cut, restored_spans = resolved.snapshot, resolved.spans
-        stamped = time.time() if admitted_at is None else admitted_at
+        stamped = self.cuts.now() if admitted_at is None else admitted_at
         call = ActiveCall(
             admission, version, prefix, generation_cut, restored_spans, stamped, checks_tickets=admitted_at is not None
         )
@@ -276,8 +286,9 @@ class RolloutTokenCapture:
         attempt completes the call.
         """
         check_active(call)
+        at = self.cuts.now()  # read first: a clock that fails leaves the call as it was
         with self.cuts.terminal_gate(call) as gate:
-            return self._complete(call, gate, prompt_token_ids, generated_token_ids, generated_logprobs, extras)
+            return self._complete(call, gate, at, prompt_token_ids, generated_token_ids, generated_logprobs, extras)
 
     def complete_observed(self, call: ActiveCall, *, extras: Mapping[str, Any] | None = None) -> CommitCoords:
         """Complete a tracked call from what ``observe`` was given: its engine prompt and every
@@ -288,7 +299,11 @@ class RolloutTokenCapture:
         """
         check_active(call)
         if self.cuts.live(call) is None:
-            raise CaptureError(f"{call} is not tracked: complete_observed() completes what track()+observe() saw")
+            raise CaptureError(
+                f"{call} is not tracked (or a newer admission of the call was tracked since): "
+                "complete_observed() completes what track()+observe() saw"
+            )
+        at = self.cuts.now()  # read first: a clock that fails leaves the call as it was
         with self.cuts.terminal_gate(call) as gate:
             live = gate.live
             if live is None or live.observation_error is not None:
@@ -296,12 +311,13 @@ class RolloutTokenCapture:
                 reason = "the call is no longer tracked" if live is None else live.observation_error
                 return self._failed(call, f"observing the engine failed: {reason}")
             generated, logprobs = live.observed()
-            return self._complete(call, gate, live.prompt, generated, logprobs, extras)
+            return self._complete(call, gate, at, live.prompt, generated, logprobs, extras)
 
     def _complete(
         self,
         call: ActiveCall,
         gate: TerminalGate,
+        at: float,
         prompt_token_ids: Sequence[int],
         generated_token_ids: Sequence[int],
         generated_logprobs: Sequence[float],
@@ -326,6 +342,7 @@ class RolloutTokenCapture:
                 kind=EventKind.CALL_COMPLETED,
                 spans=self.record_spans(call, record),
                 completion=gate.completion(),
+                recorded_at=at,  # the evidence of this completion ages on the capture's clock
             )
         except Exception as exc:  # the sink failed: poison the capture, still serve the response
             return self._failed(call, f"staging failed: {type(exc).__name__}: {exc}")
@@ -349,7 +366,7 @@ class RolloutTokenCapture:
             chain_hash=record.chain_hash,
             cumulative_hash=record.cumulative_hash,
         )
-        gate.completed(coords, record.generated_token_count)
+        gate.completed(coords, record.generated_token_count, at)
         return coords
 
     def complete_call_from_response(self, call: ActiveCall, payload: Any) -> CommitCoords:
@@ -491,7 +508,9 @@ class RolloutTokenCapture:
         return self.cuts.flush_due()
 
     def close(self) -> None:
-        """Stop the periodic flush thread (the store stays open)."""
+        """Stop the periodic flush thread and wait for it (the store stays open): a flush in
+        progress commits whole first, and no flush starts after this returns.  Closing the
+        store does the same."""
         self.cuts.close()
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import array
 import logging
+import math
+import os
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -190,7 +192,7 @@ class _Evidence:
     effective_output_limit: int | None
     finish_reason: str | None
     stop_reason: str | int | None
-    at: float  # wall-clock completion time
+    at: float  # when it completed, on the capture's clock (its event's time in the log)
 
     @property
     def restorable(self) -> bool:
@@ -253,46 +255,93 @@ class TerminalGate:
             stop_reason=live.stop_reason,
         )
 
-    def completed(self, coords: CommitCoords, generated_tokens: int) -> None:
-        self._server.completed(self._live, coords, generated_tokens)
+    def completed(self, coords: CommitCoords, generated_tokens: int, at: float) -> None:
+        self._server.completed(self._live, coords, generated_tokens, at)
 
 
 class CutServer:
-    """Serves cut requests and periodic flushes for the live calls of one capture."""
+    """Serves cut requests and periodic flushes for the live calls of one capture.
+
+    The registry holds the newest tracked admission of each call, by identity: a call begun
+    and tracked again replaces the older ``ActiveCall``, whose completion (even one still
+    running) then leaves the newer one alone.  Completion evidence is a cache of the log,
+    pruned by its TTL on the capture's clock and bounded in size.
+    """
+
+    # Completion evidence held in memory at most; older evidence is read back from the log.
+    EVIDENCE_HELD_MAX = 4096
 
     def __init__(
-        self, store: Store, *, flush_threshold_tokens: int, flush_interval: float, evidence_ttl: float
+        self,
+        store: Store,
+        *,
+        flush_threshold_tokens: int,
+        flush_interval: float,
+        evidence_ttl: float,
+        clock: Callable[[], float],
     ) -> None:
         self._store = store
+        self._clock = clock
+        self._pid = os.getpid()  # a capture serves the process that made it (a forked child makes its own)
         self._calls: dict[tuple[str, str], LiveCall] = {}
         self._registry = threading.Lock()
-        self._evidence: dict[tuple[str, str], _Evidence] = {}
+        # In completion order, so pruning by age only looks at the oldest entries.
+        self._evidence: OrderedDict[tuple[str, str], _Evidence] = OrderedDict()
         self._evidence_ttl = evidence_ttl
         self._flush_threshold = flush_threshold_tokens
         self._flush_counter = 0
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._stop_with_store: Callable[[], None] | None = None
         if flush_threshold_tokens > 0:
+            # The store's close() stops the thread first, so it never outlives the store.
+            self._stop_with_store = store._on_close(self.close)
             self._flusher = threading.Thread(
                 target=self._flush_loop, args=(flush_interval,), name="staging-store-flush", daemon=True
             )
             self._flusher.start()
 
+    def now(self) -> float:
+        """The capture's clock: seconds since the epoch (admission, completion and evidence times)."""
+        value = self._clock()
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise CaptureError(f"the capture's clock must return seconds since the epoch, got {value!r}")
+        return float(value)
+
+    def check_process(self) -> None:
+        """Refuse use from a forked child: it has no flush thread, and the live calls are the parent's."""
+        if os.getpid() != self._pid:
+            raise CaptureError(
+                f"this capture belongs to process {self._pid}; a forked child makes its own RolloutTokenCapture",
+                "forked",
+            )
+
     # registry -------------------------------------------------------------------------------
 
     def track(self, call: ActiveCall, prompt: TokenIds, effective_output_limit: int | None) -> None:
+        self.check_process()
         if effective_output_limit is not None and (
             type(effective_output_limit) is not int or effective_output_limit < 1
         ):
             raise CaptureError(f"effective_output_limit must be a positive int, got {effective_output_limit!r}")
         if call.completed:
             raise CaptureError(f"{call} already completed; it cannot be tracked for cuts")
+        now = self.now()
         with self._registry:
             self._calls[(call.capture_key, call.model_call_id)] = LiveCall(call, prompt, effective_output_limit)
+            self._prune_evidence(now)
 
     def live(self, call: ActiveCall) -> LiveCall | None:
+        """The live call tracked for this very ``ActiveCall`` (not for another admission of its id)."""
+        self.check_process()
         with self._registry:
-            return self._calls.get((call.capture_key, call.model_call_id))
+            live = self._calls.get((call.capture_key, call.model_call_id))
+        return live if live is not None and live.call is call else None
+
+    def _replaced(self, call: ActiveCall) -> bool:
+        with self._registry:
+            live = self._calls.get((call.capture_key, call.model_call_id))
+        return live is not None and live.call is not call
 
     def observe(
         self,
@@ -306,6 +355,11 @@ class CutServer:
         if live is None:
             if call.completed:
                 return  # tokens that raced the call's completion change nothing
+            if self._replaced(call):
+                raise CaptureError(
+                    f"{call} was replaced by a newer admission of the same call (begin_call and track again); "
+                    "observe the ActiveCall that track() was given last"
+                )
             raise CaptureError(f"{call} is not tracked; call track() before observe()")
         live.observe(ids, logprobs, finish, stop)
 
@@ -321,25 +375,30 @@ class CutServer:
                 yield TerminalGate(self, live)
             finally:
                 live.terminal = True
+                key = (call.capture_key, call.model_call_id)
                 with self._registry:
-                    self._calls.pop((call.capture_key, call.model_call_id), None)
+                    if self._calls.get(key) is live:  # a newer admission tracked meanwhile stays
+                        del self._calls[key]
 
-    def completed(self, live: LiveCall | None, coords: CommitCoords, generated_tokens: int) -> None:
+    def completed(self, live: LiveCall | None, coords: CommitCoords, generated_tokens: int, at: float) -> None:
         if live is None:
             return
         key = (live.call.capture_key, live.call.model_call_id)
         if coords.staging_key is not None and coords.digest is not None and coords.extras_digest is not None:
+            evidence = _Evidence(
+                coords.staging_key,
+                coords.digest,
+                coords.extras_digest,
+                generated_tokens,
+                live.effective_output_limit,
+                live.finish_reason,
+                live.stop_reason,
+                at,
+            )
             with self._registry:
-                self._evidence[key] = _Evidence(
-                    coords.staging_key,
-                    coords.digest,
-                    coords.extras_digest,
-                    generated_tokens,
-                    live.effective_output_limit,
-                    live.finish_reason,
-                    live.stop_reason,
-                    time.time(),
-                )
+                self._evidence.pop(key, None)  # re-inserted last: the order stays completion order
+                self._evidence[key] = evidence
+                self._prune_evidence(at)
         obsolete = [k for k in live.own_keys if k not in live.acknowledged]
         try:
             self._store.clear_keys(key[0], key[1], obsolete, "obsolete after completion")
@@ -349,20 +408,41 @@ class CutServer:
     def _fresh_evidence(self, key: tuple[str, str]) -> _Evidence | None:
         """Completion evidence at most ``evidence_ttl`` old: kept in memory, else read from the log
         (so a restarted worker can still acknowledge a call its predecessor completed)."""
-        now = time.time()
+        now = self.now()
         with self._registry:
-            for stale in [k for k, e in self._evidence.items() if now - e.at > self._evidence_ttl]:
-                del self._evidence[stale]
+            self._prune_evidence(now)
             evidence = self._evidence.get(key)
+            if evidence is not None and not self._fresh(evidence.at, now):  # the clock stepped back
+                del self._evidence[key]
+                evidence = None
         if evidence is None:
             stored = self._store.completion(*key)
-            if stored is not None and now - stored.recorded_at <= self._evidence_ttl:
+            if stored is not None and self._fresh(stored.recorded_at, now):
                 evidence = _Evidence.stored(stored)
         return evidence
+
+    def _fresh(self, at: float, now: float) -> bool:
+        return now - at <= self._evidence_ttl
+
+    def _prune_evidence(self, now: float) -> None:
+        """(Holding the registry lock.)  Drop expired evidence and what is over the bound, oldest
+        first; amortised O(1) a completion, since each entry is dropped once."""
+        evidence = self._evidence
+        while evidence:
+            oldest = next(iter(evidence.values()))
+            if self._fresh(oldest.at, now) and len(evidence) <= self.EVIDENCE_HELD_MAX:
+                break
+            evidence.popitem(last=False)
+
+    def evidence_held(self) -> int:
+        """How many completions' evidence is held in memory (the log holds the rest)."""
+        with self._registry:
+            return len(self._evidence)
 
     # serving a cut (5.5) ----------------------------------------------------------------------
 
     def serve(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
+        self.check_process()
         if not isinstance(inventory, GenerationCutInventory):
             raise CaptureError(f"serve_generation_cut needs a GenerationCutInventory, got {type(inventory).__name__}")
         cached = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
@@ -527,13 +607,18 @@ class CutServer:
 
     # periodic flush (5.7) -----------------------------------------------------------------------
 
-    def flush_due(self) -> int:
-        if self._flush_threshold <= 0:
-            return 0
+    def flush_due(self, stop: threading.Event | None = None) -> int:
+        """One periodic flush pass (evidence past its TTL is dropped first); the flush thread's
+        pass ends early once ``stop`` is set, so closing never waits for a whole pass."""
+        self.check_process()
+        now = self.now()
         with self._registry:
-            candidates = list(self._calls.values())
+            self._prune_evidence(now)
+            candidates = list(self._calls.values()) if self._flush_threshold > 0 else []
         flushed = 0
         for live in candidates:
+            if stop is not None and stop.is_set():
+                break
             if live.observation_error is not None or live.frozen is not None:
                 continue
             if live.unstaged() < self._flush_threshold:
@@ -570,16 +655,29 @@ class CutServer:
     def _flush_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                self.flush_due()
+                self.flush_due(self._stop)
             except StoreClosedError:
                 return  # the store went away under the capture: nothing left to flush into
             except Exception:  # a flush pass never takes the worker down
                 log.exception("periodic flush pass failed")
 
     def close(self) -> None:
+        """Stop the flush thread and join it: a flush in progress commits whole (or, refused by a
+        closed store, keeps its tokens buffered), and none starts after this returns."""
         self._stop.set()
-        if self._flusher is not None:
-            self._flusher.join(timeout=5)
+        stop_with_store, self._stop_with_store = self._stop_with_store, None
+        if stop_with_store is not None:
+            stop_with_store()
+        flusher = self._flusher
+        if flusher is None or flusher is threading.current_thread() or os.getpid() != self._pid:
+            return  # a forked child has no flush thread to join
+        flusher.join(_JOIN_WARNING_SECONDS)
+        while flusher.is_alive():  # a store write that long is stuck; say what close() waits for
+            log.warning("close() still waits for the periodic flush in progress (a store write)")
+            flusher.join(_JOIN_WARNING_SECONDS)
+
+
+_JOIN_WARNING_SECONDS = 10.0
 
 
 def _identity(prefix: GenerationCutPrefix) -> dict[str, Any]:
