@@ -8,7 +8,10 @@ attempt (sometimes under a newer policy version; a restored call is cut and rest
 by Gym's admission, by ``continue_cut`` from the ack, or by ``continue_latest_cut`` from the store
 alone), completions from what was observed (``complete_observed``), an engine that decodes past
 the output limit (no cut may acknowledge it; a restored call's track() refuses the remaining
-limit), repeated inventories, and forks.  After every step:
+limit), repeated inventories, and forks; and the capture's own lifecycle
+(``machine_lifecycle``): a fake clock the machine advances past completion evidence's TTL, the
+same call begun and tracked again while its completion is still running, and the store closed
+under a live flush thread (mid-write or idle), then reopened.  After every step:
 
 * every acknowledged key fetches and verifies as *its* record (rollout, call, digest, tokens);
 * the projections equal a replay of the log;
@@ -24,6 +27,8 @@ limit), repeated inventories, and forks.  After every step:
   the gap to the audit, and replay still equals the projections);
 * the workers projection shows every policy worker that joined the coordinator as connected,
   stopped or lost, as the machine made it, and the coordinator counts the connected ones;
+* completion evidence held in memory is never older than its TTL on the capture's clock, and a
+  cut acknowledges a completed call as a terminal completion exactly while its evidence is fresh;
 * every completed rollout linearizes (``Store.linearize``) and exports (``Store.export_jsonl``)
   to exactly the model's tokens and oldest policy version; a failed one is refused as
   ``capture_poisoned``, one that generated nothing as ``empty_generation``.
@@ -47,12 +52,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import pytest
-from capture_helpers import continuation_from
+from capture_helpers import FakeClock, continuation_from
 from coordinator_helpers import wait_for
 from factories import make_record
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machine_lifecycle import EVIDENCE_TTL, JOIN_SECONDS, OUTPUT_LIMIT, LifecycleRules
 from profiles import examples
 from rollouts import manifest_row
 from shipping_helpers import assert_target_reads_like_source
@@ -63,6 +69,7 @@ from store import (
     CaptureAdmission,
     CaptureError,
     CaptureLedgerCommit,
+    CommitCoords,
     Coordinator,
     GenerationCutError,
     GenerationCutInventory,
@@ -81,9 +88,7 @@ from store import (
     to_json,
 )
 
-OUTPUT_LIMIT = 48
 FLUSH_THRESHOLD = 3
-JOIN_SECONDS = 30.0  # a hang fails the step instead of hanging the run
 
 
 @dataclass
@@ -129,7 +134,7 @@ def has_live(machine: StoreMachine) -> bool:
     return bool(machine.live)
 
 
-class StoreMachine(RuleBasedStateMachine):
+class StoreMachine(LifecycleRules, RuleBasedStateMachine):
     steps: ClassVar[Counter[str]] = Counter()  # rules run, over every sequence (for the soak's report)
 
     def __init__(self) -> None:
@@ -137,6 +142,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.folder = tempfile.mkdtemp(prefix="store-machine-")
         self.path = os.path.join(self.folder, "store.db")
         self.version = 3
+        self.clock = FakeClock()  # the capture's clock: only the advance_clock rule moves it
+        self.completed_at: dict[tuple[str, str], float] = {}  # call -> its completion's time on the clock
         self._open()
         self.target = open_store(os.path.join(self.folder, "target.db"))  # what the ship rule ships into
         self.shipped_upto = 0  # the source's events up to this seq were shipped
@@ -152,6 +159,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.receipts: list[tuple[GenerationCutInventory, bytes]] = []
         self.counter = 0
         self.forks = 0
+        self.closed_under_flusher = False
         self.overran = False
         self.last_seq = 0
         self.finished: dict[str, tuple[list[int], int]] = {}  # rollout -> (its tokens, oldest version)
@@ -174,6 +182,8 @@ class StoreMachine(RuleBasedStateMachine):
             weight_version_fn=lambda: self.version,
             flush_threshold_tokens=FLUSH_THRESHOLD,
             flush_interval=3600.0,  # passes run only when a rule calls flush_due()
+            completion_evidence_ttl=EVIDENCE_TTL,
+            clock=self.clock,
         )
         # The policy server's coordinator lives and dies with the process, as the store does.
         socket_path = os.path.join(self.folder, "policy.sock")
@@ -182,11 +192,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _close_process(self) -> None:
         """Everything in the process goes: workers stay "connected" in the log (no one saw them go)."""
+        self._close_peers()
+        self.capture.close()
+        self.store.close()
+
+    def _close_peers(self) -> None:
         self.coordinator.close()
         for client, _ in self.clients:
             client._peer.close()  # type: ignore[union-attr]
-        self.capture.close()
-        self.store.close()
 
     def _next(self, prefix: str) -> str:
         self.counter += 1
@@ -251,6 +264,7 @@ class StoreMachine(RuleBasedStateMachine):
         inventory = self._inventory(keys, include_done, reverse=False)
         receipt = self.capture.serve_generation_cut(inventory)
         self._note_receipt(inventory, receipt)
+        self.check_terminal_acks(receipt)
 
     @precondition(lambda self: len(self.live) >= 2)
     @rule(data=st.data())
@@ -351,6 +365,11 @@ class StoreMachine(RuleBasedStateMachine):
                 generated_token_ids=generated,
                 generated_logprobs=[-(t % 7) / 4 for t in generated],
             )
+        self._note_completion(model, coords, generated, own)
+
+    def _note_completion(self, model: LiveModel, coords: CommitCoords, generated: list[int], own: list[str]) -> None:
+        """What a staged completion of ``model`` (with ``generated`` after its restored tokens) made true."""
+        key = model.key
         assert coords.disposition == "staged", coords
         assert coords.staging_key == f"{key[0]}/{key[1]}"
         assert coords.weight_version == model.oldest_version
@@ -361,6 +380,7 @@ class StoreMachine(RuleBasedStateMachine):
             token_ids=[*model.prompt, *generated],
             weight_version=model.oldest_version,
         )
+        self.completed_at[key] = self.clock.now
         if model.restored or generated:
             self.finished[model.rollout_id] = ([*model.prompt, *generated], model.oldest_version)
             self.finished_calls[model.rollout_id] = (model.attempt, len(model.restored) + len(generated))
@@ -438,7 +458,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert ack[1] == [*model.prompt, *model.generated], "the cut must hold every token decoded so far"
         self._crash()
 
-    def _crash(self) -> None:
+    def _crash(self, *, closed: bool = False) -> None:
+        """The process dies (``closed``: it already closed its store and peers); the store reopens."""
         self.crashed_calls.update(self.live)
         for key, model in self.live.items():
             acked = self.acks.get(key)
@@ -446,7 +467,8 @@ class StoreMachine(RuleBasedStateMachine):
                 self.lost.append(LostCall(model, acked[0], acked[1]))
         self.live.clear()
         self.acks.clear()
-        self._close_process()
+        if not closed:
+            self._close_process()
         self._open()
 
     @precondition(lambda self: bool(self.lost))
