@@ -31,7 +31,7 @@ from store import (
     capture_key,
 )
 from store.wire.cut_records import chunk_staging_key
-from store.worker.cuts import CutServer
+from store.worker.evidence import EvidenceCache
 
 if TYPE_CHECKING:
     from test_state_machine import StoreMachine
@@ -103,10 +103,8 @@ class LifecycleRules:
     @invariant()
     def completion_evidence_honours_its_ttl(self: StoreMachine) -> None:
         """Memory holds no evidence past its TTL (the clock moves only with a pass), and is bounded."""
-        cuts = self.capture.cuts
-        with cuts._registry:
-            held = dict(cuts._evidence)
-        assert len(held) <= CutServer.EVIDENCE_HELD_MAX
+        held = self.capture.cuts.evidence.held()
+        assert len(held) <= EvidenceCache.HELD_MAX
         for key, evidence in held.items():
             age = self.clock.now - evidence.at
             assert age <= EVIDENCE_TTL, f"evidence of {key} is held {age} s old, past its TTL {EVIDENCE_TTL}"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from capture_helpers import FakeClock
+from capture_helpers import FakeClock, writes_nothing
 from factories import make_record
 
 from store import (
@@ -30,7 +30,7 @@ from store import (
     open_store,
 )
 from store.wire.cut_records import chunk_staging_key
-from store.worker.cuts import CutServer
+from store.worker.evidence import EvidenceCache
 
 JOIN_SECONDS = 30.0  # a hang fails the test instead of hanging the run
 FLUSH_THREAD = "staging-store-flush"
@@ -126,13 +126,13 @@ def test_completion_evidence_is_dropped_once_its_ttl_passes(store: Store) -> Non
     capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1, completion_evidence_ttl=0.5, clock=clock)
     for index in range(300):
         complete_one(capture, f"r{index}")
-    assert capture.cuts.evidence_held() == 300
+    assert len(capture.cuts.evidence.held()) == 300
     clock.advance(1.0)
     complete_one(capture, "late")  # every completion drops what expired before it
-    assert capture.cuts.evidence_held() == 1
+    assert len(capture.cuts.evidence.held()) == 1
     clock.advance(1.0)
     capture.flush_due()  # so does each pass of the flush thread, the capture's clock tick
-    assert capture.cuts.evidence_held() == 0
+    assert len(capture.cuts.evidence.held()) == 0
     capture.close()
 
 
@@ -151,7 +151,7 @@ def test_expired_evidence_is_never_used_from_memory_or_the_log(store: Store) -> 
     for serving, checkpoint in ((capture, "ckpt-3"), (restarted, "ckpt-4")):
         [expired] = serving.serve_generation_cut(inventory(checkpoint, [("r0", "c0")])).prefixes
         assert expired.disposition == "durable_failure"
-    assert capture.cuts.evidence_held() == 0
+    assert len(capture.cuts.evidence.held()) == 0
     capture.close()
     restarted.close()
 
@@ -159,13 +159,13 @@ def test_expired_evidence_is_never_used_from_memory_or_the_log(store: Store) -> 
 def test_evidence_held_in_memory_is_bounded_and_the_log_serves_the_rest(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(CutServer, "EVIDENCE_HELD_MAX", 4)
+    monkeypatch.setattr(EvidenceCache, "HELD_MAX", 4)
     clock = FakeClock()
     capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1, clock=clock)
     for index in range(10):
         complete_one(capture, f"r{index}")
         clock.advance(1.0)
-    assert capture.cuts.evidence_held() == 4
+    assert len(capture.cuts.evidence.held()) == 4
     # The oldest call's evidence left memory, not the worker: the log still has it.
     [oldest] = capture.serve_generation_cut(inventory("ckpt-1", [("r0", "c0")])).prefixes
     assert oldest.cut_kind == "terminal_completion" and oldest.staging_keys == ("r0/c0",)
@@ -188,6 +188,24 @@ def test_the_clock_stamps_admissions_and_completions_in_the_log(store: Store) ->
 def test_the_clock_must_be_callable(store: Store, bad: Any) -> None:
     with pytest.raises(CaptureError, match="clock must be callable"):
         RolloutTokenCapture(store=store, weight_version_fn=lambda: 1, clock=bad)
+
+
+def test_a_clock_that_gives_no_time_refuses_without_writing_or_using_up_the_call(store: Store) -> None:
+    times: list[Any] = [1.0, 2.0]
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1, clock=lambda: times[0])
+    call = capture.begin_call(admission())
+    capture.track(call, prompt_token_ids=[1, 2], effective_output_limit=8)
+    capture.observe(call, [3], [-0.5], finish_reason="stop")
+    for bad in (float("nan"), float("inf"), "now", None):
+        times[0] = bad
+        with writes_nothing(store), pytest.raises(CaptureError, match="clock must return seconds"):
+            capture.begin_call(admission("r1"))
+        with writes_nothing(store), pytest.raises(CaptureError, match="clock must return seconds"):
+            capture.complete_observed(call)
+        assert not call.completed and capture.cuts.live(call) is not None
+    times[0] = 3  # an int is seconds too
+    assert capture.complete_observed(call).disposition == "staged"
+    capture.close()
 
 
 # --- 13: a completion never retires a newer admission of the same call ----------------------------

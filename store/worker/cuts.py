@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from store.errors import (
     StoreError,
 )
 from store.log.events import Completion, EventKind
-from store.queries.reads import StoredCompletion
 from store.store import StageEntry, Store
 from store.wire import continuations
 from store.wire.columns import FloatColumn, TokenIds
@@ -36,7 +34,6 @@ from store.wire.cut_records import (
     GenerationCutReceipt,
     chunk_staging_key,
 )
-from store.wire.digest import EMPTY_EXTRAS_DIGEST
 from store.wire.records import (
     CommitCoords,
     StagedCallRecord,
@@ -44,6 +41,7 @@ from store.wire.records import (
     to_json,
 )
 from store.worker.active_call import ActiveCall, build_generation_chunk_record, build_prefix_record, record_spans
+from store.worker.evidence import Evidence, EvidenceCache
 
 log = logging.getLogger("store.cuts")
 
@@ -182,42 +180,6 @@ class LiveCall:
 
 
 @dataclass
-class _Evidence:
-    """What a cut needs to acknowledge a call that completed before the cut reached it."""
-
-    staging_key: str
-    digest: str
-    extras_digest: str
-    generated_tokens: int
-    effective_output_limit: int | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-    at: float  # when it completed, on the capture's clock (its event's time in the log)
-
-    @property
-    def restorable(self) -> bool:
-        """A restore rebuilds the terminal record with extras null (5.6): with extras it cannot match."""
-        return (
-            self.extras_digest == EMPTY_EXTRAS_DIGEST
-            and self.effective_output_limit is not None
-            and self.finish_reason is not None
-        )
-
-    @classmethod
-    def stored(cls, completion: StoredCompletion) -> _Evidence:
-        return cls(
-            completion.staging_key,
-            completion.digest,
-            completion.extras_digest,
-            completion.generated_tokens,
-            completion.effective_output_limit,
-            completion.finish_reason,
-            completion.stop_reason,
-            completion.recorded_at,
-        )
-
-
-@dataclass
 class _CutPlan:
     live: LiveCall
     ack: GenerationCutPrefixAck
@@ -264,12 +226,9 @@ class CutServer:
 
     The registry holds the newest tracked admission of each call, by identity: a call begun
     and tracked again replaces the older ``ActiveCall``, whose completion (even one still
-    running) then leaves the newer one alone.  Completion evidence is a cache of the log,
-    pruned by its TTL on the capture's clock and bounded in size.
+    running) then leaves the newer one alone.  Completion evidence (``evidence``) is pruned
+    by its TTL at every completion, ``track``, cut and flush pass.
     """
-
-    # Completion evidence held in memory at most; older evidence is read back from the log.
-    EVIDENCE_HELD_MAX = 4096
 
     def __init__(
         self,
@@ -285,9 +244,7 @@ class CutServer:
         self._pid = os.getpid()  # a capture serves the process that made it (a forked child makes its own)
         self._calls: dict[tuple[str, str], LiveCall] = {}
         self._registry = threading.Lock()
-        # In completion order, so pruning by age only looks at the oldest entries.
-        self._evidence: OrderedDict[tuple[str, str], _Evidence] = OrderedDict()
-        self._evidence_ttl = evidence_ttl
+        self.evidence = EvidenceCache(store, evidence_ttl)
         self._flush_threshold = flush_threshold_tokens
         self._flush_counter = 0
         self._stop = threading.Event()
@@ -329,7 +286,7 @@ class CutServer:
         now = self.now()
         with self._registry:
             self._calls[(call.capture_key, call.model_call_id)] = LiveCall(call, prompt, effective_output_limit)
-            self._prune_evidence(now)
+        self.evidence.prune(now)
 
     def live(self, call: ActiveCall) -> LiveCall | None:
         """The live call tracked for this very ``ActiveCall`` (not for another admission of its id)."""
@@ -385,7 +342,7 @@ class CutServer:
             return
         key = (live.call.capture_key, live.call.model_call_id)
         if coords.staging_key is not None and coords.digest is not None and coords.extras_digest is not None:
-            evidence = _Evidence(
+            evidence = Evidence(
                 coords.staging_key,
                 coords.digest,
                 coords.extras_digest,
@@ -395,49 +352,12 @@ class CutServer:
                 live.stop_reason,
                 at,
             )
-            with self._registry:
-                self._evidence.pop(key, None)  # re-inserted last: the order stays completion order
-                self._evidence[key] = evidence
-                self._prune_evidence(at)
+            self.evidence.put(key, evidence)
         obsolete = [k for k in live.own_keys if k not in live.acknowledged]
         try:
             self._store.clear_keys(key[0], key[1], obsolete, "obsolete after completion")
         except StoreError:
             log.exception("clearing obsolete chunk keys of %s/%s failed; the completion stands", *key)
-
-    def _fresh_evidence(self, key: tuple[str, str]) -> _Evidence | None:
-        """Completion evidence at most ``evidence_ttl`` old: kept in memory, else read from the log
-        (so a restarted worker can still acknowledge a call its predecessor completed)."""
-        now = self.now()
-        with self._registry:
-            self._prune_evidence(now)
-            evidence = self._evidence.get(key)
-            if evidence is not None and not self._fresh(evidence.at, now):  # the clock stepped back
-                del self._evidence[key]
-                evidence = None
-        if evidence is None:
-            stored = self._store.completion(*key)
-            if stored is not None and self._fresh(stored.recorded_at, now):
-                evidence = _Evidence.stored(stored)
-        return evidence
-
-    def _fresh(self, at: float, now: float) -> bool:
-        return now - at <= self._evidence_ttl
-
-    def _prune_evidence(self, now: float) -> None:
-        """(Holding the registry lock.)  Drop expired evidence and what is over the bound, oldest
-        first; amortised O(1) a completion, since each entry is dropped once."""
-        evidence = self._evidence
-        while evidence:
-            oldest = next(iter(evidence.values()))
-            if self._fresh(oldest.at, now) and len(evidence) <= self.EVIDENCE_HELD_MAX:
-                break
-            evidence.popitem(last=False)
-
-    def evidence_held(self) -> int:
-        """How many completions' evidence is held in memory (the log holds the rest)."""
-        with self._registry:
-            return len(self._evidence)
 
     # serving a cut (5.5) ----------------------------------------------------------------------
 
@@ -589,7 +509,7 @@ class CutServer:
 
     def _terminal_ack(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> GenerationCutPrefixAck:
         identity = _identity(prefix)
-        evidence = self._fresh_evidence((prefix.capture_key, prefix.model_call_id))
+        evidence = self.evidence.get((prefix.capture_key, prefix.model_call_id), self.now())
         if evidence is None or not evidence.restorable:
             return GenerationCutPrefixAck(**identity, disposition="durable_failure")
         return GenerationCutPrefixAck(
@@ -611,9 +531,8 @@ class CutServer:
         """One periodic flush pass (evidence past its TTL is dropped first); the flush thread's
         pass ends early once ``stop`` is set, so closing never waits for a whole pass."""
         self.check_process()
-        now = self.now()
+        self.evidence.prune(self.now())
         with self._registry:
-            self._prune_evidence(now)
             candidates = list(self._calls.values()) if self._flush_threshold > 0 else []
         flushed = 0
         for live in candidates:
