@@ -95,10 +95,16 @@ class LifecycleRules:
 
     @rule(seconds=st.sampled_from([1.0, 5.0, EVIDENCE_TTL, EVIDENCE_TTL + 1.0, 3 * EVIDENCE_TTL]))
     def advance_clock(self: StoreMachine, seconds: float) -> None:
-        """Time passes; the flush thread's next pass (its tick) comes with it."""
+        """Time passes; the flush thread's next pass (its tick) comes with it.  Then a checkpoint
+        names finished calls: each is a terminal completion exactly while its evidence is fresh."""
         self.steps["advance_clock"] += 1
         self.clock.advance(seconds)
         self.capture.flush_due()
+        if self.acked_terminal_calls():
+            inventory = self._inventory([], True, reverse=False)
+            receipt = self.capture.serve_generation_cut(inventory)
+            self._note_receipt(inventory, receipt)
+            self.check_terminal_acks(receipt)
 
     @invariant()
     def completion_evidence_honours_its_ttl(self: StoreMachine) -> None:
@@ -120,6 +126,8 @@ class LifecycleRules:
             at = self.completed_at.get(key)
             fresh = at is not None and self.clock.now - at <= EVIDENCE_TTL
             kind = ack.cut_kind if ack.disposition == "durable_prefix" else None
+            if at is not None:  # how often each side of the TTL was asked (the soak reports it)
+                self.steps["terminal_ack_fresh" if fresh else "terminal_ack_expired"] += 1
             assert kind == ("terminal_completion" if fresh else None), (key, at, self.clock.now, ack)
 
     # --- the same call begun again while its completion runs ---------------------------------------

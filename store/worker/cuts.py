@@ -45,6 +45,19 @@ from store.worker.evidence import Evidence, EvidenceCache
 
 log = logging.getLogger("store.cuts")
 
+# Bumped in every forked child, so a capture sees it was inherited with one int comparison
+# (observe runs per token; os.getpid() is a system call).
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
 
 # --- live calls (5.3) ------------------------------------------------------------------------------
 
@@ -241,7 +254,8 @@ class CutServer:
     ) -> None:
         self._store = store
         self._clock = clock
-        self._pid = os.getpid()  # a capture serves the process that made it (a forked child makes its own)
+        # A capture serves the process that made it (a forked child makes its own).
+        self._pid, self._forks = os.getpid(), _forks
         self._calls: dict[tuple[str, str], LiveCall] = {}
         self._registry = threading.Lock()
         self.evidence = EvidenceCache(store, evidence_ttl)
@@ -267,7 +281,7 @@ class CutServer:
 
     def check_process(self) -> None:
         """Refuse use from a forked child: it has no flush thread, and the live calls are the parent's."""
-        if os.getpid() != self._pid:
+        if _forks != self._forks:
             raise CaptureError(
                 f"this capture belongs to process {self._pid}; a forked child makes its own RolloutTokenCapture",
                 "forked",
@@ -588,7 +602,7 @@ class CutServer:
         if stop_with_store is not None:
             stop_with_store()
         flusher = self._flusher
-        if flusher is None or flusher is threading.current_thread() or os.getpid() != self._pid:
+        if flusher is None or flusher is threading.current_thread() or _forks != self._forks:
             return  # a forked child has no flush thread to join
         flusher.join(_JOIN_WARNING_SECONDS)
         while flusher.is_alive():  # a store write that long is stuck; say what close() waits for
