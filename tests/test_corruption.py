@@ -35,6 +35,7 @@ from corruption_helpers import (
 from factories import make_record
 
 from store import CorruptRecordError, EventKind, Store, StoreError, UnknownKeyError, open_store
+from store.queries import reads
 
 # --- damaging one row through raw SQL ---------------------------------------------------------------
 
@@ -235,6 +236,27 @@ def test_a_key_hidden_by_damage_to_the_key_table_is_corrupt_not_unknown(store: S
     for absent in ("r1/c2x", "a", "zzz", "r1/c1-"):
         with pytest.raises(UnknownKeyError):
             store.fetch([absent])
+
+
+def test_a_key_staged_while_a_fetch_looks_for_it_is_unknown_not_corrupt(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The miss check reads after the lookup: a key committed in between has an intact row of its
+    own, which is no damage (a periodic flush racing a poll of its chunk on PostgreSQL met this)."""
+    populate(store)
+    record = make_record(rollout_id="r1", model_call_id="c9", weight_version=1)
+    real_check = reads.check_absent
+
+    def stage_then_check(connection: sa.Connection, missing: list[str]) -> None:
+        assert store.stage(record).ok  # commits between fetch's lookup and its miss check
+        real_check(connection, missing)
+
+    monkeypatch.setattr(reads, "check_absent", stage_then_check)
+    with pytest.raises(UnknownKeyError):  # it was absent when fetch looked
+        store.fetch([record.staging_key])
+    monkeypatch.undo()
+    [fetched] = store.fetch([record.staging_key])
+    assert fetched.digest == record.digest
 
 
 def test_flipping_any_byte_of_the_key_tables_page_never_makes_an_acknowledged_key_unknown(tmp_path: Path) -> None:
