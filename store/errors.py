@@ -115,7 +115,8 @@ class CaptureError(StoreError):
     each check of ``begin_call`` on a continuation has its own (``keys``, ``source_call``,
     ``chunk_kind``, ``own_attempt``, ``lineage``, ``parent_chain``, ``cumulative_hash``,
     ``token_count``, ``policy_version``, ``digest``, ``unreadable``), and so do ``output_limit``,
-    ``prompt``, ``finished_call`` and ``not_authorized``; the class's own code otherwise.
+    ``prompt``, ``finished_call``, ``not_authorized`` and ``forked`` (a capture used in a
+    forked child); the class's own code otherwise.
     """
 
     default_code = "capture"
