@@ -248,7 +248,10 @@ def test_a_key_staged_while_a_fetch_looks_for_it_is_unknown_not_corrupt(
     real_check = reads.check_absent
 
     def stage_then_check(connection: sa.Connection, missing: list[str]) -> None:
-        assert store.stage(record).ok  # commits between fetch's lookup and its miss check
+        # Another writer commits between fetch's lookup and its miss check (a second store: this
+        # one's only PostgreSQL connection is the fetch's own, pool_size=1).
+        with open_store(store.url) as writer:
+            assert writer.stage(record).ok
         real_check(connection, missing)
 
     monkeypatch.setattr(reads, "check_absent", stage_then_check)
