@@ -14,6 +14,7 @@ import random
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -260,6 +261,31 @@ def test_a_key_staged_while_a_fetch_looks_for_it_is_unknown_not_corrupt(
     monkeypatch.undo()
     [fetched] = store.fetch([record.staging_key])
     assert fetched.digest == record.digest
+
+
+def test_a_neighbour_deleted_while_fetch_checks_a_miss_is_no_damage(store: Store) -> None:
+    """The miss check reads the key rows next to the key, then their events: a delete committing
+    between those reads (rows seen, their events gone) must not read as a damaged key table."""
+    populate(store)
+    deleted = False
+
+    def delete_between_reads(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        nonlocal deleted
+        if not deleted and statement.startswith("SELECT events.seq, events.staging_key \nFROM events"):
+            deleted = True  # the check has read r1's rows as neighbours; now r1 goes
+            with open_store(store.url) as writer:
+                assert list(writer.delete(["r1"]).removed) == ["r1"]
+
+    engine = store._engine
+    sa.event.listen(engine, "before_cursor_execute", delete_between_reads)
+    try:
+        with pytest.raises(UnknownKeyError):
+            store.fetch(["r1/c15"])  # between r1/c1 and r1/c2: both are its neighbours
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", delete_between_reads)
+    assert deleted, "the check never read the neighbours' events"
+    with pytest.raises(UnknownKeyError):
+        store.fetch(["r1/c1"])  # the delete did land
 
 
 def test_flipping_any_byte_of_the_key_tables_page_never_makes_an_acknowledged_key_unknown(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 ``staged_keys`` is a B-tree keyed by the staging key.  A damaged byte in a row's key, or in
 the page that holds it, makes a lookup of that key miss while its record is still in the log:
 an acknowledged key would read as unknown.  Before ``fetch`` says ``UnknownKeyError`` it
-checks where the key would be:
+looks the key up again and checks where the key would be, all in one read snapshot (so a
+write committing meanwhile never looks like damage):
 
 * the rows next to its place in key order (a row whose key was damaged is still there): each
   must name an event that is the record of that row's own key;
@@ -55,9 +56,7 @@ def _check(connection: sa.Connection, missing: list[str]) -> None:
         owners = {seq: owner for seq, owner in connection.execute(_EVENT_KEYS, {"seqs": seqs})} if seqs else {}
         for row_key, seq in neighbours:
             owner = owners.get(seq)
-            if row_key == key and owner == key:
-                continue  # the key's own intact row: committed after fetch's lookup, so it was absent then
-            if owner == key:
+            if owner == key:  # the lookup in this snapshot missed it: its row or its place is damaged
                 raise CorruptRecordError(
                     f"staged key {key!r} is damaged in the key table (its row now reads {row_key!r}); "
                     f"its record is event {seq} (`staging-store replay --repair` rebuilds the table)"

@@ -275,7 +275,7 @@ class Reader:
                     rows[row["key_staging_key"]] = row
             missing = [key for key in wanted if key not in rows]
             if missing:
-                check_absent(connection, missing)  # damage that hides a key is CorruptRecordError
+                missing = self._confirmed_missing(connection, missing, rows)
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise UnknownKeyError(f"no staged record under {len(missing)} key(s): {shown}")
@@ -290,6 +290,24 @@ class Reader:
         if block is not None:
             block.seal()
         return [chunks[key] for key in keys]
+
+    def _confirmed_missing(self, connection: sa.Connection, missing: list[str], rows: dict[str, Any]) -> list[str]:
+        """The keys of ``missing`` that are absent, not hidden by damage (``CorruptRecordError``).
+
+        They are looked up again and their places checked in one read snapshot, so no write
+        committing meanwhile (a stage, a delete) can look like damage; a key staged since the
+        first lookup is fetched.  Inside ``pinned`` the connection already reads one snapshot.
+        """
+        if self._pinned.get() is None:
+            connection.rollback()
+            connection.exec_driver_sql(self._begin_snapshot)
+            for start in range(0, len(missing), _FETCH_CHUNK):
+                for row in _keyed_rows(connection, missing[start : start + _FETCH_CHUNK]):
+                    rows[row["key_staging_key"]] = row
+            missing = [key for key in missing if key not in rows]
+        if missing:
+            check_absent(connection, missing)  # damage that hides a key is CorruptRecordError
+        return missing
 
     def call(self, rollout_id: str, model_call_id: str) -> CallInfo | None:
         params = {"rollout_id": rollout_id, "model_call_id": model_call_id}
