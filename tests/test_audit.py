@@ -389,13 +389,13 @@ def test_damage_no_row_read_meets_is_a_storage_problem(tmp_path: Path) -> None:
 def test_the_page_walk_reads_the_audits_snapshot(tmp_path: Path) -> None:
     """SQLite: the page walk's connection and the audit's begin at one snapshot (the write lock
     held meanwhile), so a commit after they began is seen by neither."""
-    from store.audit.store_audit import _begin_together
+    from store.audit.pages import begin_together
 
     with open_store(tmp_path / "store.db") as store:
         assert store.stage(make_record(rollout_id="a")).ok
         engine, backend = store._engine, store._backend
         with engine.connect() as audit, engine.connect() as walk:
-            assert _begin_together(engine, backend, audit, walk)
+            assert begin_together(engine, backend, audit, walk)
             assert store.stage(make_record(rollout_id="b")).ok  # commits after both began
             seen = [c.exec_driver_sql("SELECT count(*) FROM events").scalar_one() for c in (audit, walk)]
             audit.rollback()

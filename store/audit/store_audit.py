@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +21,7 @@ import sqlalchemy as sa
 import xxhash
 from sqlalchemy.engine import Engine
 
+from store.audit.pages import PageWalk, page_walk, quick_check
 from store.audit.report import (
     CHAIN,
     CHECKSUM,
@@ -43,7 +42,7 @@ from store.audit.report import (
 )
 from store.errors import CorruptRecordError, StoreError
 from store.log import schema
-from store.log.engine import BUSY_TIMEOUT_MS, Backend, driver_errors, storage_error
+from store.log.engine import Backend, driver_errors, storage_error
 from store.log.events import (
     LEDGER_KINDS,
     RECORD_KINDS,
@@ -72,7 +71,6 @@ from store.wire.records import GenerationCutContinuation, from_json
 Progress = Callable[[int, int], object]
 _PROGRESS_EVERY = 256
 _LIVE_BATCH = 1000
-_PIN_WAIT_MS = 1000  # how long the audit waits for the write lock to pin its page walk's snapshot
 
 
 @dataclass(slots=True)
@@ -121,7 +119,7 @@ def audit_store(
 ) -> AuditReport:
     """Audit the whole store in one read transaction (a consistent snapshot)."""
     try:
-        with engine.connect() as connection, paused_gc(), _page_walk(engine, connection, backend, read_only) as walk:
+        with engine.connect() as connection, paused_gc(), page_walk(engine, connection, backend, read_only) as walk:
             report = _Audit(connection, progress, walk).run()
             connection.rollback()
     except driver_errors(engine) as exc:
@@ -129,95 +127,8 @@ def audit_store(
     return report
 
 
-class _PageWalk(threading.Thread):
-    """SQLite's page walk (``PRAGMA quick_check``) on its own connection, in a thread.
-
-    SQLite releases the GIL while it walks, so the walk overlaps the audit's pass over the
-    log instead of adding to it.  Its connection reads the audit's snapshot (``_page_walk``).
-    """
-
-    def __init__(self, connection: sa.Connection) -> None:
-        super().__init__(name="store-audit-page-walk", daemon=True)
-        self.connection = connection
-        self.lines: list[str] = []
-        self.failure: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.lines = _quick_check(self.connection)
-        except BaseException as exc:  # handed to the audit's thread by ``result``
-            self.failure = exc
-
-    def result(self) -> list[str]:
-        self.join()
-        if self.failure is not None:
-            raise self.failure
-        return self.lines
-
-
-@contextmanager
-def _page_walk(
-    engine: Engine, connection: sa.Connection, backend: Backend, read_only: bool
-) -> Iterator[_PageWalk | None]:
-    """Begin the audit's read transaction on ``connection`` and, on SQLite, start the page walk
-    on a second connection that reads the same snapshot.
-
-    The guarantee: both read transactions begin while a third connection holds the write lock
-    (``BEGIN IMMEDIATE``), so no commit can land between them and, in WAL mode, both read the
-    same snapshot.  A read-only store's connections cannot take that lock (SQLite accepts the
-    BEGIN but locks nothing), nor can a store whose lock stays busy past the busy timeout:
-    there the audit walks the pages on its own connection before the pass (the same snapshot,
-    no overlap).  None on PostgreSQL, and when the walk runs on the audit's own connection.
-    """
-    if connection.dialect.name != "sqlite" or read_only:
-        connection.exec_driver_sql(backend.begin_snapshot_sql)  # a consistent read, no write lock
-        yield None
-        return
-    with engine.connect() as walker:
-        if not _begin_together(engine, backend, connection, walker):
-            yield None
-            return
-        walk = _PageWalk(walker)
-        walk.start()
-        try:
-            yield walk
-        finally:
-            walk.join()  # the walk's connection goes back to the pool only once it is done
-            walker.rollback()
-
-
-def _begin_together(engine: Engine, backend: Backend, *connections: sa.Connection) -> bool:
-    """Begin a read transaction on each connection at one snapshot (False: the first alone)."""
-    with engine.connect() as lock:
-        # A writer holds the lock for one transaction; an audit waits a little, not the full
-        # busy timeout, then walks on its own connection instead.
-        lock.exec_driver_sql(f"PRAGMA busy_timeout = {_PIN_WAIT_MS}")
-        try:
-            lock.exec_driver_sql(backend.begin_write_sql)  # no commit can land until it rolls back
-        except driver_errors(engine):
-            connections[0].exec_driver_sql(backend.begin_snapshot_sql)
-            return False
-        else:
-            try:
-                for connection in connections:
-                    connection.exec_driver_sql(backend.begin_snapshot_sql)
-                    connection.exec_driver_sql("PRAGMA schema_version")  # WAL: the first read takes the snapshot
-            finally:
-                lock.rollback()
-        finally:
-            lock.exec_driver_sql(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    return True
-
-
-def _quick_check(connection: sa.Connection) -> list[str]:
-    try:
-        return [str(row[0]) for row in connection.exec_driver_sql("PRAGMA quick_check")]
-    except driver_errors(connection.engine) as exc:
-        return [f"{type(exc).__name__}: {exc}"]
-
-
 class _Audit:
-    def __init__(self, connection: sa.Connection, progress: Progress | None, walk: _PageWalk | None) -> None:
+    def __init__(self, connection: sa.Connection, progress: Progress | None, walk: PageWalk | None) -> None:
         self.connection = connection
         self.progress = progress
         self.walk = walk
@@ -250,7 +161,7 @@ class _Audit:
         done = 0
         self._report_progress(0, total)
         if self.walk is None:
-            self._file_pages(_quick_check(self.connection) if self.connection.dialect.name == "sqlite" else None)
+            self._file_pages(quick_check(self.connection) if self.connection.dialect.name == "sqlite" else None)
         for row in stored_rows(self.connection):
             self._event(row)
             done += 1
