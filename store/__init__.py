@@ -112,7 +112,7 @@ if TYPE_CHECKING:
         receipt_from_manifest,
     )
     from store.shipping import EventOrigin, ShipProblem, ShipReport
-    from store.store import StageEntry, Store, open_store
+    from store.store import StageEntry, StageResults, Store, open_store
     from store.wire.columns import FloatColumn, TokenIds
     from store.wire.cut_records import (
         GenerationCutInventory,
@@ -251,6 +251,7 @@ _MODULES = {
     "SUPPORTED_SCHEMA_VERSIONS": "store.wire.digest",
     "SkippedChain": "store.rebuild.verify",
     "StageEntry": "store.store",
+    "StageResults": "store.store",
     "StageResult": "store.wire.records",
     "StagedCallBaseSnapshot": "store.wire.records",
     "StagedCallRecord": "store.wire.records",
@@ -396,6 +397,7 @@ __all__ = [
     "SUPPORTED_SCHEMA_VERSIONS",
     "SkippedChain",
     "StageEntry",
+    "StageResults",
     "StagedKeyInfo",
     "StageResult",
     "StagedCallBaseSnapshot",

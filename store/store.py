@@ -81,6 +81,14 @@ class StageEntry:
     completion: Completion | None = None
 
 
+class StageResults(list[StageResult]):
+    """``stage_all``'s results, one per entry in order.  ``receipt_recorded``: whether the cut
+    receipt given was recorded by this call (False: that inventory's receipt was in the log
+    already and stands; None: no receipt was given)."""
+
+    receipt_recorded: bool | None = None
+
+
 class Store:
     """A durable token staging store (use ``open_store``).  Thread-safe; one per process."""
 
@@ -220,7 +228,7 @@ class Store:
         *,
         cut_receipt: tuple[str, str, bytes] | None = None,
         acknowledged: Sequence[str] = (),
-    ) -> list[StageResult]:
+    ) -> StageResults:
         """Stage several records, and optionally a cut receipt, in one transaction: all or nothing.
 
         Raises ``StagingRefusedError`` (nothing written) if any key holds a different record, or
@@ -242,8 +250,8 @@ class Store:
             )
             receipt_event = NewEvent(EventKind.CUT_RECEIPT, RECEIPT_STREAM, checkpoint_id, receipt_body)
 
-        def work(tx: WriteTransaction) -> list[StageResult]:
-            results = []
+        def work(tx: WriteTransaction) -> StageResults:
+            results = StageResults()
             for event, entry in zip(events, entries, strict=True):
                 result = stage_event(tx, event, entry.record.digest)
                 if not result.ok:
@@ -258,7 +266,8 @@ class Store:
             if receipt_event is not None:
                 body = receipt_event.body
                 assert isinstance(body, CutReceiptBody)
-                if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None:
+                results.receipt_recorded = tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None
+                if results.receipt_recorded:
                     tx.append(receipt_event)
             return results
 

@@ -418,6 +418,59 @@ def test_generation_cut_of_an_empty_prefix_is_a_durable_failure(rollout: Rollout
     assert list(fetch_one(store, ack2.staging_keys[0]).token_ids_delta) == [20, 21, 30]
 
 
+def test_the_receipt_a_cut_returns_is_the_one_in_the_log(store: Store) -> None:
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 4)
+    call = capture.begin_call(CaptureAdmission(rollout_id="r0", model_call_id="c1", mode="text"))
+    capture.track(call, prompt_token_ids=[10, 11], effective_output_limit=32)
+    capture.observe(call, [12, 13], [-0.5, -0.25])
+    sent = inventory("checkpoint-1", ticket("c1"))
+    receipt = capture.serve_generation_cut(sent)
+    assert store.cut_receipt(sent.checkpoint_id, sent.inventory_digest) == lib.to_json(receipt)
+
+
+def test_a_receipt_recorded_first_by_another_serve_stands(
+    store: Store, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process on the same store records its receipt of this inventory while this serve
+    is staging: the receipt in the log is the answer, not the one this serve built."""
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 4)
+    call = capture.begin_call(CaptureAdmission(rollout_id="r0", model_call_id="c1", mode="text"))
+    capture.track(call, prompt_token_ids=[10, 11], effective_output_limit=32)
+    capture.observe(call, [12, 13], [-0.5, -0.25])
+    sent = inventory("checkpoint-1", ticket("c1"))
+    theirs = GenerationCutReceipt(
+        checkpoint_id=sent.checkpoint_id,
+        cut_id=f"worker-{sent.inventory_digest}",
+        inventory_digest=sent.inventory_digest,
+        inventory=sent,
+        backend_snapshot_id=f"tq-{sent.inventory_digest}",
+        prefixes=(
+            GenerationCutPrefixAck(
+                ticket_id="t-0-c1",
+                rollout_id="r0",
+                attempt_index=0,
+                model_call_id="c1",
+                admitted_at=1.0,
+                disposition="durable_failure",
+            ),
+        ),
+    )
+    real_stage_all = store.stage_all
+
+    def raced_stage_all(*args: Any, **kwargs: Any) -> Any:
+        other = open_store(store_url)
+        try:
+            other.stage_all([], cut_receipt=(sent.checkpoint_id, sent.inventory_digest, lib.to_json(theirs)))
+        finally:
+            other.close()
+        return real_stage_all(*args, **kwargs)
+
+    monkeypatch.setattr(store, "stage_all", raced_stage_all)
+    answer = capture.serve_generation_cut(sent)
+    assert lib.to_json(answer) == lib.to_json(theirs)
+    assert store.cut_receipt(sent.checkpoint_id, sent.inventory_digest) == lib.to_json(theirs)
+
+
 def test_generation_cut_swaps_buffer_before_blocking_prefix_write(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:

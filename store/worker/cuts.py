@@ -431,7 +431,7 @@ class CutServer:
             # attempt: the transaction checks every acknowledged key still holds its record.
             acknowledged = [key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys]
             failpoints.hit("mid_cut")
-            self._store.stage_all(
+            staged = self._store.stage_all(
                 entries,
                 cut_receipt=(inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt)),
                 acknowledged=acknowledged,
@@ -450,6 +450,10 @@ class CutServer:
             for live in locked:
                 live.rollback()  # a no-op for sealed buffers; frees a buffer frozen for a failure ack
                 live.lifecycle.release()
+        if getattr(staged, "receipt_recorded", None) is True:
+            return receipt  # ours is the one in the log: no need to read it back
+        # Another serve of this inventory (another process on the same store) recorded its
+        # receipt first: that one stands.
         stored = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
         return from_json(stored, GenerationCutReceipt) if stored is not None else receipt
 
