@@ -94,3 +94,16 @@ def test_staging_comes_back_by_itself_once_space_returns(disk: Path) -> None:
         assert report.ok, report.summary()
     wal = disk / "store.db-wal"
     assert not wal.exists() or wal.stat().st_size < 2 * 1024 * 1024  # given back once checkpointed
+
+
+def test_opening_a_store_on_a_full_disk_says_the_disk_is_full(disk: Path) -> None:
+    """SQLite says "disk I/O error" (it cannot grow the -shm file): the store says why, and
+    opens again once there is room, with what it held."""
+    with open_store(disk / "store.db") as store:
+        key = store.stage(record(1, 500)).staging_key
+    filler = fill(disk, leave=0)
+    with pytest.raises(StorageError, match=r"the file system holding .*store\.db is full \(\d[\d,]* bytes free\)"):
+        open_store(disk / "store.db").close()
+    filler.unlink()
+    with open_store(disk / "store.db") as store:
+        assert len(store.fetch([key])) == 1

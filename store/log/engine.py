@@ -512,6 +512,9 @@ def read_only_error(url: URL, exc: BaseException) -> StorageError:
             return StorageError(f"{where} is not a store (not a SQLite database, or a damaged one)")
         if "malformed" in reason or "corrupt" in reason:
             return StorageError(f"{where} is damaged (SQLite reports a malformed database)")
+        full = _full_disk_problem(where, reason)
+        if full is not None:
+            return StorageError(full)
         if "unable to open" in reason:
             return StorageError(f"cannot open {where}")
         return StorageError(f"cannot read {where}")
@@ -536,7 +539,7 @@ def opening_error(url: URL, exc: BaseException) -> StorageError:
         path = url.database
         if "file is not a database" in reason:
             return StorageError(f"{path} is not a store database ({reason})")
-        problem = _sqlite_access_problem(path)
+        problem = _sqlite_access_problem(path) or _full_disk_problem(path, reason)
         if problem is not None:
             return StorageError(f"{problem} ({reason})")
     elif connecting_failed(exc) or connection_lost(exc) or lock_timed_out(exc):
@@ -561,6 +564,30 @@ def _sqlite_access_problem(path: str) -> str | None:
             f"(SQLite keeps {name}-wal and {name}-shm beside the store)"
         )
     return None
+
+
+# Under this much free space an I/O error on open is taken for a full disk: SQLite says "disk
+# I/O error" when it cannot grow the -shm file, "database or disk is full" when it cannot write.
+_FULL_BELOW_BYTES = 1024 * 1024
+
+
+def _full_disk_problem(path: str, reason: str) -> str | None:
+    """The file system holding ``path`` is full, if that is why SQLite failed to open it."""
+    if "disk" not in reason:  # "disk I/O error", "database or disk is full"
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        disk = os.statvfs(folder)
+    except OSError:
+        return None
+    blocks = disk.f_bfree if os.geteuid() == 0 else disk.f_bavail  # root may use the reserved blocks
+    free = blocks * disk.f_frsize
+    if free >= _FULL_BELOW_BYTES:
+        return None
+    return (
+        f"the file system holding {path} is full ({free:,} bytes free): SQLite needs room for the "
+        f"store's -wal and -shm files even to read it; free some space, then open it again"
+    )
 
 
 def _run_alembic(connection: sa.Connection) -> None:
