@@ -2,7 +2,7 @@
 silent and half-sent connections, a trickled body, a connection flood past the cap, hostile
 bodies; the server's fds, threads and memory are read from ``/proc`` before and after.
 
-The server runs with small bounds (1 s header deadline, 1.5 s body deadline, 24 connections)
+The server runs with small bounds (1 s header deadline, 1.5 s body and send deadlines, 24 connections)
 so the whole module takes seconds; ``tools/soak_hostile.py`` runs the same peers longer,
 with the default bounds, and drives schemathesis against the published OpenAPI document.
 """
@@ -39,7 +39,7 @@ REPO = TESTS.parent
 AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 CUT = "/ng-control/v1/generation-cut"
 MANIFEST = "/training-token-capture/control/rollouts/r0/manifest"
-HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS = 1.0, 1.5, 24
+HEADER_TIMEOUT, BODY_TIMEOUT, SEND_TIMEOUT, MAX_CONNECTIONS = 1.0, 1.5, 1.5, 24
 SLACK = 1.5  # scheduling on a shared 2-core machine
 
 
@@ -84,6 +84,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     command = [sys.executable, "-c", "import sys; from store.cli import main; sys.exit(main())", "serve", store]
     command += ["--token-file", str(token), "--port", "0", "--max-connections", str(MAX_CONNECTIONS)]
     command += ["--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)]
+    command += ["--send-timeout", str(SEND_TIMEOUT)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -219,6 +220,55 @@ def wait_for_ok(served: Served, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_a_peer_that_never_reads_its_answers_is_cut_off_at_the_send_deadline(
+    served: Served, baseline: Resources
+) -> None:
+    """An authorised peer pipelines requests for large answers (a receipt of 4,000 tickets, about
+    1 MB) and reads none: the server's send buffer fills, and at the send deadline it lets the
+    connection go, with what it held, while the peer still keeps its end open."""
+    body = to_json(inventory(4000, "never-read"))
+    head = f"POST {CUT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    before = _sockets(served.pid)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a peer that takes almost nothing
+    sock.settimeout(30)
+    sock.connect(served.address)
+    try:
+        sender = threading.Thread(target=lambda: _send_quietly(sock, (head.encode() + body) * 8), daemon=True)
+        sender.start()
+        deadline = time.monotonic() + SEND_TIMEOUT + 30  # the first cut runs first
+        while _sockets(served.pid) > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = _sockets(served.pid)
+        assert held <= before, f"the unread connection is still held: {before} sockets before, {held} now"
+        answered = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 20):
+                answered += chunk
+        assert answered.count(b"HTTP/1.1 200") < 8, "every answer went out: the send buffer never filled"
+    finally:
+        sock.close()
+
+
+def _sockets(pid: int) -> int:
+    """The sockets ``pid`` holds (its listener and its connections; not its store's files)."""
+    fds = f"/proc/{pid}/fd"
+    return sum(1 for fd in os.listdir(fds) if _link(f"{fds}/{fd}").startswith("socket:"))
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile
+        return ""
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
 
 
 def test_hostile_bodies_over_the_wire_are_4xx(served: Served, baseline: Resources) -> None:

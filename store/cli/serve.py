@@ -72,6 +72,13 @@ _SPARE_FDS = 64  # the store's files, the thread pool's connections, logging: be
     type=click.FloatRange(0.1, 3600),
     help="Seconds a request's body may take after its headers; then 408.",
 )
+@click.option(
+    "--send-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="Seconds a response may wait on a peer that does not read it; then the connection is aborted.",
+)
 def serve(
     store: str | None,
     token_file: Path,
@@ -83,6 +90,7 @@ def serve(
     max_connections: int,
     header_timeout: float,
     body_timeout: float,
+    send_timeout: float,
 ) -> int:
     """Serve the worker control routes over HTTP until interrupted.
 
@@ -118,6 +126,7 @@ def serve(
                 "max_connections": max_connections,
                 "header_timeout": header_timeout,
                 "body_timeout": body_timeout,
+                "send_timeout": send_timeout,
             }
             server = _server(app, tls, limits)
             scheme = "http" if tls is None else "https"

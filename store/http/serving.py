@@ -13,7 +13,12 @@ every few seconds, holds a file descriptor forever.  ``GuardedH11Protocol`` adds
   route answers ``408 body_timeout`` itself, and a body still trickling in after any answer is
   cut off at the deadline.
 
-The deadlines are absolute: bytes that trickle in do not extend them.
+* a send deadline: a response the peer does not read (the transport's buffer stays full, so
+  writing is paused) for ``send_timeout`` seconds on end is abandoned and the connection
+  aborted: a peer that asks and never reads holds neither the connection nor the response's
+  memory past it.
+
+The header and body deadlines are absolute: bytes that trickle in do not extend them.
 
 ``RateLimitedLog`` keeps uvicorn's own warnings (one per malformed request: "Invalid HTTP
 request received.") from letting a stranger write the server's log at the rate it sends.
@@ -33,6 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_SEND_TIMEOUT = 30.0
 LINGER = 1.0  # past the route's own body deadline, so its 408 goes out before the connection is cut
 
 
@@ -80,22 +86,34 @@ class GuardedH11Protocol(H11Protocol):
     max_connections = DEFAULT_MAX_CONNECTIONS
     header_timeout = DEFAULT_HEADER_TIMEOUT
     body_timeout = 30.0
+    send_timeout = DEFAULT_SEND_TIMEOUT
     refused_connections = 0  # counted across the process, for tests and the soak
+    abandoned_sends = 0  # likewise: connections aborted at the send deadline
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "headers" or "body" while a deadline is armed
         self._refused = False
+        self._send_deadline: asyncio.TimerHandle | None = None
 
     @classmethod
-    def configure(cls, *, max_connections: int, header_timeout: float, body_timeout: float) -> type[GuardedH11Protocol]:
+    def configure(
+        cls,
+        *,
+        max_connections: int,
+        header_timeout: float,
+        body_timeout: float,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
+    ) -> type[GuardedH11Protocol]:
         """A subclass with these bounds (uvicorn takes a protocol class, not an instance)."""
-        return type(
-            "GuardedH11Protocol",
-            (cls,),
-            {"max_connections": max_connections, "header_timeout": header_timeout, "body_timeout": body_timeout},
-        )
+        bounds = {
+            "max_connections": max_connections,
+            "header_timeout": header_timeout,
+            "body_timeout": body_timeout,
+            "send_timeout": send_timeout,
+        }
+        return type("GuardedH11Protocol", (cls,), bounds)
 
     # --- the connection cap -----------------------------------------------------------------
 
@@ -113,6 +131,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_send()
         if self._refused:
             return
         super().connection_lost(exc)
@@ -154,6 +173,28 @@ class GuardedH11Protocol(H11Protocol):
             self._deadline.cancel()
         self._deadline = None
         self._phase = None
+
+    # --- the send deadline: asyncio pauses writing while the peer leaves the buffer full -----
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_deadline is None and not self._refused:
+            self._send_deadline = self.loop.call_later(self.send_timeout, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send()
+
+    def _disarm_send(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+        self._send_deadline = None
+
+    def _send_expired(self) -> None:
+        self._send_deadline = None
+        if not self.transport.is_closing():
+            type(self).abandoned_sends += 1
+            self.transport.abort()  # close() would wait for the buffer the peer does not read
 
     def _expired(self) -> None:
         phase, self._deadline, self._phase = self._phase, None, None
