@@ -13,7 +13,7 @@ a test run started in the background of a non-interactive shell inherits SIGINT 
 
 Phases of ``demo``:
 
-* ``start-up``: while ``store.cli.main`` (and with it click and the commands) is imported;
+* ``start-up``: while ``store.cli.app`` (and with it click and the commands) is imported;
 * ``spawning``: in the spawner thread, after the first worker process started and before
   the next (the main thread waits for it);
 * ``serving``: the first workers have reported their calls in flight, before the cut;
@@ -66,7 +66,7 @@ class _HoldImport(importlib.abc.MetaPathFinder):
 
 def arrange(phase: str, sign_fd: int) -> None:
     if phase == "start-up":
-        sys.meta_path.insert(0, _HoldImport("store.cli.main", sign_fd))
+        sys.meta_path.insert(0, _HoldImport("store.cli.app", sign_fd))
         return
     if phase in ("spawning", "respawning"):
         from store.demo import run

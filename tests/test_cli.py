@@ -1,4 +1,4 @@
-"""``staging-store`` through its real entry points: ``store.cli.main``, click's runner, the installed script.
+"""``staging-store`` through its real entry points: ``store.cli.app``, click's runner, the installed script.
 
 One demo run (worker processes, a cut, SIGKILL, restore) builds the store the read commands
 are tried on; commands that damage or repair work on copies of it.
@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from store.cli import main
-from store.cli.main import COMMANDS, cli
+from store.cli.app import COMMANDS, cli
 from store.log.schema import SCHEMA_REVISION
 
 SCRIPT = Path(sys.executable).with_name("staging-store")
@@ -921,3 +921,18 @@ def test_commands_reach_a_postgresql_schema_named_in_the_url(copy: Path, capsys:
     assert [rollout["rollout_id"] for rollout in json.loads(out)["rollouts"]] == ["run1-r0", "run1-r1", "run1-r2"]
     code, _, err = run(capsys, "rollouts", database, "--json")
     assert code == 3 and "is not a store" in err, err  # the public schema holds no store
+
+
+def test_the_entry_point_stays_a_function_whatever_was_imported_first() -> None:
+    """The installed script runs ``store.cli:main``; importing every submodule of the command
+    line first (a test, a plugin) must not replace it on the package."""
+    import importlib
+    import pkgutil
+
+    import store.cli
+
+    for module in pkgutil.iter_modules(store.cli.__path__):
+        importlib.import_module(f"store.cli.{module.name}")
+    from store.cli import main as entry
+
+    assert callable(entry) and entry.__module__ == "store.cli"

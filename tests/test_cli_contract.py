@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 from test_cli import SCRIPT, assert_one_line_error, copy, demo, folder_state, run, script
 
-from store.cli.main import COMMANDS, cli
+from store.cli.app import COMMANDS, cli
 
 __all__ = ["copy", "demo"]  # the fixtures, shared with tests/test_cli.py
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from store import open_store
-from store.cli.main import main
+from store.cli.app import main
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

@@ -53,7 +53,7 @@ from pathlib import Path
 import pytest
 
 import store
-from store.cli.main import COMMANDS, cli
+from store.cli.app import COMMANDS, cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -32,7 +32,7 @@ from store import (
     split_capture_key,
     to_json,
 )
-from store.cli.main import main
+from store.cli.app import main
 
 LIMIT = 12  # each call's whole output limit
 CUT_AFTER = 5  # tokens c2 decodes before the checkpoint
