@@ -129,10 +129,17 @@ class WriteStatements:
         self._engine = engine
         # PostgreSQL: each insert the transaction sends later as one statement for many rows.
         self.many_rows: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # PostgreSQL: the same inserts as one ``COPY`` each, for a transaction that sends many
+        # rows (``WriteTransaction.bulk``: a ship's batch).
+        self.copy_rows: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
+        # Inside ``bulk``, an event's row streams as it is appended: seq, then the insert's columns.
+        self.copy_events = copy_insert(events, engine, ("seq", *EVENT_INSERT_COLUMNS)) if postgres else None
         if postgres:
             for statement, table in ((self.insert_event_at, events), (self.insert_call, calls)):
                 self.many_rows[statement.sql] = unnest_insert(table, engine)
+                self.copy_rows[statement.sql] = copy_insert(table, engine)
             self.many_rows[self.insert_key.sql] = unnest_insert(keys, engine)
+            self.copy_rows[self.insert_key.sql] = copy_insert(keys, engine)
 
     def held_keys(self, count: int) -> Statement:
         """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record.  Compiled once per
@@ -163,6 +170,22 @@ def unnest_insert(table: sa.Table, engine: Engine) -> tuple[str, tuple[str, ...]
     # Binary parameters (``%b``): an array of bytea in text form is escaped byte by byte.
     arrays = ", ".join(f"%({name})b::{table.c[name].type.compile(dialect=engine.dialect)}[]" for name in names)
     return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays})", names
+
+
+# Each column type's binary COPY form (``copy_insert``); the length of a VARCHAR(n) is still
+# checked by the server as it receives the value.
+_COPY_TYPES = {"BIGINT": "int8", "INTEGER": "int4", "VARCHAR": "text", "FLOAT": "float8", "BYTEA": "bytea"}
+
+
+def copy_insert(
+    table: sa.Table, engine: Engine, names: tuple[str, ...] | None = None
+) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """PostgreSQL: ``COPY`` of many rows of ``table`` in binary form (``_PipelinedCursor.copy_row``):
+    the statement, the column names in the order each row gives its values (``names``, else
+    the table's), and their types."""
+    names = tuple(column.name for column in table.c) if names is None else names
+    types = tuple(_COPY_TYPES[table.c[name].type.compile(dialect=engine.dialect).split("(")[0]] for name in names)
+    return f"COPY {table.name} ({', '.join(names)}) FROM STDIN (FORMAT BINARY)", names, types
 
 
 def _binds_in_order(statement: sa.sql.ClauseElement, engine: Engine, names: tuple[str, ...]) -> bool:

@@ -3,8 +3,10 @@ the projections, append events and fold them in, under savepoints when it shares
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, stored_event_row, this_writer
@@ -40,6 +42,10 @@ class StageLookup(NamedTuple):
     call: CallState | None
     last_version: int  # the stream's highest stream_version, 0 for a new stream
 
+
+# Inside ``WriteTransaction.bulk``, an insert waiting with at least this many rows goes out as
+# COPY (each COPY waits for the statements sent before it: a round trip of its own).
+COPY_MIN_ROWS = 16
 
 # A transaction's read-ahead lookups before any: shared, never written (``WriteTransaction``).
 _NOTHING_AHEAD: dict[tuple[str, str, str], Any] = {}
@@ -84,6 +90,7 @@ class WriteTransaction:
         self._ahead: dict[tuple[str, str, str], Any] = _NOTHING_AHEAD
         self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_ROLLOUT
         self._ahead_by_key: dict[str, tuple[str, str, str]] = _NOTHING_AHEAD_BY_KEY
+        self._bulk = False  # inside ``bulk``: inserts of many rows go out as COPY
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
@@ -91,17 +98,45 @@ class WriteTransaction:
         return self._execute(statement, values)
 
     def run_many(
-        self, statement: Statement, rows: list[dict[str, Any]], *, unnest: tuple[str, tuple[str, ...]] | None = None
+        self,
+        statement: Statement,
+        rows: list[dict[str, Any]],
+        *,
+        unnest: tuple[str, tuple[str, ...]] | None = None,
+        copy: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None,
     ) -> None:
         """Run ``statement`` once per row; ``unnest`` (PostgreSQL, ``statements.unnest_insert``):
-        the same insert as one statement for all the rows."""
+        the same insert as one statement for all the rows; ``copy`` (``statements.copy_insert``):
+        as one ``COPY``, inside ``bulk``."""
         self._forget_all_ahead()
         self.flush()
+        if copy is not None and self._bulk and len(rows) >= COPY_MIN_ROWS:
+            sql, names, types = copy
+            self._cursor.copy_rows(sql, types, map(operator.itemgetter(*names), rows))
+            return
         if unnest is not None and self._takes_seqs and len(rows) > 1:
             sql, names = unnest
             self._cursor.execute(sql, {name: [row[name] for row in rows] for name in names})
             return
         self._cursor.executemany(statement.sql, [statement.params(values) for values in rows])
+
+    @contextlib.contextmanager
+    def bulk(self) -> Iterator[None]:
+        """PostgreSQL: inside, appended events stream to the server with ``COPY`` as they are
+        appended (the server stores them while the next are folded), and the waiting inserts of
+        many rows go out as one ``COPY`` each (``statements.copy_insert``), not one statement:
+        a ship's batch of hundreds of events.  What is still waiting is sent before it ends; a
+        failure fails the caller's work.  SQLite: nothing changes."""
+        if not hasattr(self._cursor, "copy_rows"):
+            yield
+            return
+        self._bulk = True
+        try:
+            yield
+            self.flush()
+            self._cursor.end_copy()
+        finally:
+            self._bulk = False
 
     def flush(self) -> None:
         """Send the inserts still waiting (``_later``), in the order their statements first came."""
@@ -109,6 +144,11 @@ class WriteTransaction:
             later, self._later = self._later, {}
             many_rows = self._sql.many_rows
             for sql, rows in later.items():
+                copy = self._sql.copy_rows.get(sql) if self._bulk and len(rows) >= COPY_MIN_ROWS else None
+                if copy is not None:
+                    copy_sql, names, types = copy
+                    self._cursor.copy_rows(copy_sql, types, map(operator.itemgetter(*names), rows))
+                    continue
                 bulk = many_rows.get(sql)
                 if bulk is None or len(rows) == 1:
                     for row in rows:
@@ -326,9 +366,13 @@ class WriteTransaction:
         sql = self._sql
         if self._takes_seqs:
             seq = int(self._cursor.take_seq())
-            stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
-            stored["seq"] = seq
-            self._insert_later(sql.insert_event_at, stored)
+            if self._bulk:  # streamed to the server now, while the next events are folded
+                copy_sql, _, types = self._sql.copy_events  # type: ignore[misc]
+                self._cursor.copy_row(copy_sql, types, (seq, *event_row))
+            else:
+                stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
+                stored["seq"] = seq
+                self._insert_later(sql.insert_event_at, stored)
         else:  # SQLite (PostgreSQL's pipelined cursor always takes seqs ahead)
             seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).lastrowid)
         self.appended += 1
@@ -430,4 +474,7 @@ class WriteTransaction:
     def rollback_to(self, name: str) -> None:
         self._forget_all_ahead()
         self._later = {}  # the failed caller's inserts never went out: they go with its savepoint
+        abandon_copy = getattr(self._cursor, "abandon_copy", None)
+        if abandon_copy is not None:  # its rows still streaming go too
+            abandon_copy(RuntimeError("rolled back to its savepoint"))
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")

@@ -6,8 +6,8 @@ lock, the work and COMMIT in one pipeline (psycopg 3), statements waited for onl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 from store.log import postgres
@@ -113,17 +113,25 @@ def _pipelined_write_transaction(dbapi_connection: Any, backend: Backend, *, dur
         commit_sent = committed = False
         pipelined: _PipelinedCursor | None = None
         try:
-            with dbapi_connection.pipeline() as pipeline:
+            pipeline = _Pipeline(dbapi_connection)
+            try:
                 cursor.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
                 cursor.execute(backend.search_path_sql)
                 cursor.execute(begin)
                 pipelined = _PipelinedCursor(cursor, pipeline, backend.next_seq_sql)
                 yield pipelined
+                pipelined.end_copy()  # (a caller's rows still streaming: its error raised here)
                 # Every caller's work is queued.  An earlier statement's error can surface from here
                 # on: at the COMMIT's own queuing (the server's answer already arrived) or at the
                 # closing sync; either way whose statement failed is unknown.
                 commit_sent = True
                 cursor.execute("COMMIT")
+            except BaseException as exc:
+                if pipelined is not None:
+                    pipelined.abandon_copy(exc)
+                pipeline.leave(exc)
+                raise
+            pipeline.leave()
             committed = True
         except dbapi_connection.Error as exc:
             cut = WATCHDOG.disarm(watch)
@@ -153,15 +161,41 @@ def _pipelined_write_transaction(dbapi_connection: Any, backend: Backend, *, dur
             WATCHDOG.disarm(watch)
 
 
+class _Pipeline:
+    """The connection's pipeline mode for one write transaction, left and entered again around a
+    ``COPY`` (which psycopg refuses in pipeline mode); the transaction stays open throughout.
+    Entered when made; ``leave`` is a ``with`` block's exit (the closing sync: every result is
+    read and the first error raised), or with the error that ends the transaction."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+        self._inside: Any = None  # the ``connection.pipeline()`` context entered, None outside
+        self.enter()
+
+    def enter(self) -> None:
+        inside = self._connection.pipeline()
+        self.pipeline = inside.__enter__()
+        self._inside = inside
+
+    def leave(self, exc: BaseException | None = None) -> None:
+        inside, self._inside = self._inside, None
+        if inside is not None:
+            inside.__exit__(None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__)
+
+
 class _PipelinedCursor:
     """The write transaction's cursor in pipeline mode.
 
     ``settle`` waits for every statement sent so far and raises the first one's error (a
     caller's own statements).  ``reserve_seqs`` sends ``nextval`` for the next events on a
     side cursor; its result arrives with the next read anyway, so ``take_seq`` rarely waits.
+    ``copy_row`` streams rows with ``COPY`` (out of pipeline mode while it is open): each
+    row goes to the server as it comes, while the caller works on the next, until anything
+    else uses the connection (a statement, a fetch, ``settle``, ``end_copy``), which first
+    ends the COPY (its error, if any, raised there).
     """
 
-    def __init__(self, cursor: Any, pipeline: Any, next_seq_sql: str | None) -> None:
+    def __init__(self, cursor: Any, pipeline: _Pipeline, next_seq_sql: str | None) -> None:
         self._cursor = cursor
         self._pipeline = pipeline
         self.execute = cursor.execute
@@ -169,16 +203,77 @@ class _PipelinedCursor:
         self._next_seq_sql = next_seq_sql
         self._seqs: list[int] = []  # taken, not yet used (ascending)
         self._reserving: Any = None  # the side cursor whose nextval rows are on their way
+        self._copying: Any = None  # the open ``cursor.copy`` context, None when no COPY is open
+        self._copy: Any = None  # its Copy object
+        self._copy_statement = ""
 
     @property
     def takes_seqs(self) -> bool:
         return self._next_seq_sql is not None
 
     def settle(self) -> None:
-        self._pipeline.sync()
+        self.end_copy()
+        self._pipeline.pipeline.sync()
+
+    def copy_row(self, statement: str, types: Sequence[str], row: Sequence[Any]) -> None:
+        """Send ``row`` with ``statement`` (``COPY ... FROM STDIN (FORMAT BINARY)``, columns of
+        ``types``), opening the COPY if another (or none) is open: the statements sent before
+        it are waited for then (their first error raised here)."""
+        if self._copying is None or self._copy_statement != statement:
+            self.end_copy()
+            self._pipeline.leave()
+            copying = self._cursor.copy(statement)
+            try:
+                copy = copying.__enter__()
+                copy.set_types(types)
+            except BaseException as exc:
+                with suppress(Exception):
+                    copying.__exit__(type(exc), exc, exc.__traceback__)
+                self._pipeline.enter()
+                raise
+            self._copying, self._copy, self._copy_statement = copying, copy, statement
+            # Any statement ends the COPY first (the caller's execute is this cursor's own).
+            self.execute, self.executemany = self._execute_after_copy, self._executemany_after_copy
+        self._copy.write_row(row)
+
+    def copy_rows(self, statement: str, types: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        """``copy_row`` for each of ``rows``, then ``end_copy``."""
+        for row in rows:
+            self.copy_row(statement, types, row)
+        self.end_copy()
+
+    def end_copy(self, exc: BaseException | None = None) -> None:
+        """End the open COPY, if any, and resume pipeline mode: the server's answer is waited for
+        (its error raised here).  ``exc``: abandon it instead (``CopyFail``: the transaction is
+        in error until it, or its savepoint, is rolled back)."""
+        copying, self._copying, self._copy = self._copying, None, None
+        if copying is None:
+            return
+        self.execute, self.executemany = self._cursor.execute, self._cursor.executemany
+        try:
+            if exc is None:
+                copying.__exit__(None, None, None)
+            else:
+                copying.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            self._pipeline.enter()
+
+    def abandon_copy(self, exc: BaseException) -> None:
+        """``end_copy(exc)``, its own failure ignored (the transaction is rolled back anyway)."""
+        with suppress(Exception):
+            self.end_copy(exc)
+
+    def _execute_after_copy(self, *args: Any, **kwargs: Any) -> Any:
+        self.end_copy()
+        return self._cursor.execute(*args, **kwargs)
+
+    def _executemany_after_copy(self, *args: Any, **kwargs: Any) -> Any:
+        self.end_copy()
+        return self._cursor.executemany(*args, **kwargs)
 
     def side_cursor(self) -> Any:
         """Another cursor of the transaction: its statement's rows stay apart from this one's."""
+        self.end_copy()
         return self._cursor.connection.cursor()
 
     def reserve_seqs(self, count: int) -> None:
@@ -203,6 +298,7 @@ class _PipelinedCursor:
     def take_seq(self) -> int:
         """The next event's seq (taken under the write lock, like the identity default)."""
         if not self._seqs:
+            self.end_copy()  # the rows of nextval may still be on their way
             self.reserve_seqs(1)
             reserving, self._reserving = self._reserving, None
             try:

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
-from store.append.statements import unnest_insert
+from store.append.statements import copy_insert, unnest_insert
 from store.append.transaction import WriteTransaction
 from store.errors import StoreError
 from store.log import schema
@@ -107,7 +107,9 @@ class ShipStatements:
         )
         self.retention = RetentionStatements(engine)
         self.insert_shipped = Statement(sa.insert(shipped).values({c: sa.bindparam(c.name) for c in shipped.c}), engine)
-        self.insert_shipped_many = unnest_insert(shipped, engine) if engine.dialect.name == "postgresql" else None
+        postgres = engine.dialect.name == "postgresql"
+        self.insert_shipped_many = unnest_insert(shipped, engine) if postgres else None
+        self.copy_shipped = copy_insert(shipped, engine) if postgres else None
 
 
 def resume_point(tx: WriteTransaction, statements: ShipStatements, source_store_id: str) -> int | None:
@@ -122,7 +124,19 @@ def receive(
     target_store_id: str,
     items: list[SourceEvent],
 ) -> Received:
-    """Apply ``items`` (in source order) in the target's write transaction."""
+    """Apply ``items`` (in source order) in the target's write transaction; its inserts go out
+    as COPY on PostgreSQL (``WriteTransaction.bulk``)."""
+    with tx.bulk():
+        return _receive(tx, statements, source_store_id, target_store_id, items)
+
+
+def _receive(
+    tx: WriteTransaction,
+    statements: ShipStatements,
+    source_store_id: str,
+    target_store_id: str,
+    items: list[SourceEvent],
+) -> Received:
     received = Received()
     known = resume_point(tx, statements, source_store_id)
     # Another ship of the same source may have committed these first: skip what it did.
@@ -149,7 +163,12 @@ def receive(
             here.add(origin)
         received.last_seq = item.source_seq
     if received.events:
-        tx.run_many(statements.insert_shipped, received.events, unnest=statements.insert_shipped_many)
+        tx.run_many(
+            statements.insert_shipped,
+            received.events,
+            unnest=statements.insert_shipped_many,
+            copy=statements.copy_shipped,
+        )
     if received.last_seq is not None:
         values: dict[str, Any] = {"source_store_id": source_store_id, "last_seq": received.last_seq}
         if known is None:
