@@ -35,7 +35,12 @@ class NewEvent:
     stored: tuple[bytes, bytes | None, bytes | None, bytes | None] = field(init=False, repr=False, compare=False)
     size: int = field(init=False, repr=False, compare=False)  # bytes of the stored form (checkpoint pacing)
     # Its checksum's framing, also made here: the append only frames version, pid and time.
-    checksum_parts: ChecksumParts = field(init=False, repr=False, compare=False)
+    # None while a shipped event's checksum is known (``stored_checksum``): made if it is needed.
+    checksum_parts: ChecksumParts | None = field(init=False, repr=False, compare=False)
+    # A shipped event's (stream version, checksum) as its source row holds them, verified: an
+    # append at that version keeps the checksum (the same columns hash the same) instead of
+    # hashing the stored bytes again.
+    stored_checksum: tuple[int, bytes] | None = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -49,6 +54,7 @@ class NewEvent:
         recorded_at: float | None = None,
         written_by: tuple[int, str | None] | None = None,
         stored_form: tuple[bytes, bytes | None, bytes | None, bytes | None] | None = None,
+        stored_checksum: tuple[int, bytes] | None = None,
     ) -> None:
         # The fields are set as one ``__dict__`` (a frozen dataclass's own ``__init__`` sets
         # each through ``object.__setattr__``; one event is built per staged record).
@@ -66,7 +72,13 @@ class NewEvent:
             ids, mask = encode_ids(columns.token_ids), encode_mask(columns.token_mask)
             log_probs = encode_floats(columns.log_probs)
             stored, size = (encoded, ids, mask, log_probs), len(encoded) + len(ids) + len(mask) + len(log_probs)
-        parts = ChecksumParts(rollout_id, model_call_id, _KIND_VALUES[kind], staging_key, stored)
+        # ``stored_checksum`` covers the writer's pid and time too: kept only with both given.
+        known = None
+        if stored_form is not None and written_by is not None and recorded_at is not None:
+            known = stored_checksum
+        parts = None
+        if known is None:
+            parts = ChecksumParts(rollout_id, model_call_id, _KIND_VALUES[kind], staging_key, stored)
         _set_attribute(
             self,
             "__dict__",
@@ -83,6 +95,7 @@ class NewEvent:
                 "stored": stored,
                 "size": size,
                 "checksum_parts": parts,
+                "stored_checksum": known,
             },
         )
 
@@ -127,7 +140,11 @@ def stored_event_row(new: NewEvent, version: int, writer: Writer, recorded_at: f
     pid, host = writer.pid, writer.host
     if new.written_by is not None:
         pid, host = new.written_by
-    checksum = new.checksum_parts.checksum(version, pid, recorded_at)
+    known = new.stored_checksum  # set only with ``written_by`` (the pid above) and ``recorded_at``
+    if known is not None and known[0] == version and recorded_at == new.recorded_at:
+        checksum = known[1]
+    else:
+        checksum = _checksum_parts(new).checksum(version, pid, recorded_at)
     return (
         new.rollout_id,
         new.model_call_id,
@@ -144,3 +161,13 @@ def stored_event_row(new: NewEvent, version: int, writer: Writer, recorded_at: f
         host,
         writer.store_id,
     )
+
+
+def _checksum_parts(new: NewEvent) -> ChecksumParts:
+    """``new``'s checksum framing, made once (a shipped event's only when it is appended at
+    another stream version than its source's)."""
+    parts = new.checksum_parts
+    if parts is None:
+        parts = ChecksumParts(new.rollout_id, new.model_call_id, _KIND_VALUES[new.kind], new.staging_key, new.stored)
+        new.__dict__["checksum_parts"] = parts
+    return parts

@@ -33,6 +33,8 @@ T = TypeVar("T")
 # batch is read and verified while this one is written.
 BATCH_EVENTS = 512
 BATCH_BYTES = 8 * 1024 * 1024
+# Source events verified at a time (read a batch at a time): what the first batch waits for.
+CHUNK_EVENTS = 128
 
 
 class TargetWrite(Protocol):
@@ -91,31 +93,36 @@ def ship_log(
         total = min(total, bounds.limit)
     tally = _Tally(last=start, total=total)
     _report(progress, 0, tally.total)
+    send = _Sender(lambda items: _ship_batch(target, statements, source_id, target_id, items), tally, progress)
+    # Read and verified in chunks here while the writer thread applies batches to the target
+    # (its write path takes callers from any thread): the writer takes everything ready each
+    # time it is free, up to a full batch, so the first batch goes out after one chunk and the
+    # later ones are as large as the time it writes lets them grow.  A batch is sent only once
+    # the one before committed without a problem: a ship still stops at its first problem.
+    # Each chunk is read on a connection of its own (a store of one connection stages between).
     stopped: str | None = None
-    # The next batch is read and verified here while a writer thread applies this one to the
-    # target (its write path takes callers from any thread).  The next batch is sent only
-    # once this one committed without a problem: a ship still stops at its first problem.
-    # Each batch is read on a connection of its own (a store of one connection stages between).
-    with ThreadPoolExecutor(1) as writer:
-        writing: Future[tuple[Received, ShipProblem | None]] | None = None
-        bad: Unshippable | None = None
-        read = 0
-        for batch in batches(source, source_id, start, head, _batch_size(bounds.limit, read), BATCH_BYTES):
+    bad: Unshippable | None = None
+    read = 0
+    with send:
+        for chunk in batches(source, source_id, start, head, _read_size(bounds.limit), _chunk_size(bounds.limit)):
             if bounds.limit is not None:
-                batch = batch[: bounds.limit - read]
-            read += len(batch)
-            verified, bad = _until_unshippable(batch)
-            if writing is not None and not tally.settle(writing.result(), progress):
-                writing = None  # stopped at the problem: this batch is not sent
+                chunk = chunk[: bounds.limit - read]
+            read += len(chunk)
+            verified, bad = _until_unshippable(chunk)
+            if not send.offer(verified):
+                bad = None  # stopped at the problem: nothing after it is sent
                 break
-            writing = writer.submit(_ship_batch, target, statements, source_id, target_id, verified)
             if bad is not None:
                 break  # the events before the damaged one go; shipping stops at it
             stopped = bounds.reached(read)
             if stopped is not None:
                 break
-        if writing is not None and tally.settle(writing.result(), progress) and bad is not None:
-            tally.problems.append(_corrupt(bad))
+        # What is read and verified goes after the batch in flight; after a deadline or a
+        # stop, no batch starts (what was read and not sent is left to the next ship).
+        if not send.finish(send_ready=stopped in (None, "limit")):
+            bad = None
+    if bad is not None:
+        tally.problems.append(_corrupt(bad))
     done = tally.appended + tally.present
     if not tally.problems and done != tally.total:
         _report(progress, done, done)
@@ -136,8 +143,82 @@ def ship_log(
     )
 
 
-def _batch_size(limit: int | None, read: int) -> int:
-    return BATCH_EVENTS if limit is None else max(1, min(BATCH_EVENTS, limit - read))
+def _read_size(limit: int | None) -> int:
+    return BATCH_EVENTS if limit is None else max(1, min(BATCH_EVENTS, limit))
+
+
+def _chunk_size(limit: int | None) -> int:
+    return min(CHUNK_EVENTS, _read_size(limit))
+
+
+class _Sender:
+    """The writer thread's side of a ship: verified events wait in ``ready`` until the writer is
+    free, then go as one batch (at most ``BATCH_EVENTS`` events and ``BATCH_BYTES``)."""
+
+    def __init__(
+        self,
+        ship_batch: Callable[[list[SourceEvent]], tuple[Received, ShipProblem | None]],
+        tally: _Tally,
+        progress: Progress | None,
+    ) -> None:
+        self._ship_batch = ship_batch
+        self._tally = tally
+        self._progress = progress
+        self._writer = ThreadPoolExecutor(1)
+        self._writing: Future[tuple[Received, ShipProblem | None]] | None = None
+        self._ready: list[SourceEvent] = []
+        self._ready_bytes = 0
+
+    def __enter__(self) -> _Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._writer.shutdown(wait=True)  # a batch in flight commits or fails before the ship returns
+
+    def offer(self, events: list[SourceEvent]) -> bool:
+        """Add verified events; send a batch if the writer is free (wait for it when a full batch
+        is ready).  False once a batch found a problem: shipping stops there."""
+        for event in events:
+            self._ready.append(event)
+            self._ready_bytes += event.event.size
+        writing = self._writing
+        if writing is not None and (writing.done() or self._full()):
+            self._writing = None
+            if not self._tally.settle(writing.result(), self._progress):
+                self._ready = []
+                return False
+        if self._writing is None and self._ready:
+            self._send()
+        return True
+
+    def finish(self, *, send_ready: bool) -> bool:
+        """Settle the batch in flight and (``send_ready``) send what is ready; False if a batch
+        found a problem."""
+        while True:
+            writing, self._writing = self._writing, None
+            if writing is not None and not self._tally.settle(writing.result(), self._progress):
+                self._ready = []
+                return False
+            if not send_ready or not self._ready:
+                self._ready = []
+                return True
+            self._send()
+
+    def _full(self) -> bool:
+        return len(self._ready) >= BATCH_EVENTS or self._ready_bytes >= BATCH_BYTES
+
+    def _send(self) -> None:
+        """Submit the first batch of what is ready: at most ``BATCH_EVENTS`` events and
+        ``BATCH_BYTES`` stored bytes, at least one event."""
+        count = size = 0
+        for event in self._ready[:BATCH_EVENTS]:
+            if count and size + event.event.size > BATCH_BYTES:
+                break
+            count += 1
+            size += event.event.size
+        batch, self._ready = self._ready[:count], self._ready[count:]
+        self._ready_bytes -= size
+        self._writing = self._writer.submit(self._ship_batch, batch)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from store.projections.fold import Event
 from store.queries.integrity import DECODE_ERRORS, describe, verified_event
 from store.queries.reads import Reader, record_fields, stored_columns
 from store.shipping.identity import EventOrigin, event_origin, origins_between
-from store.wire.digest import staging_digest_and_columns
+from store.wire.digest import staging_digest_and_columns, stored_record_digest
 
 StoredForm = tuple[bytes, bytes | None, bytes | None, bytes | None]  # body, ids, mask, log-probs
 
@@ -62,11 +62,11 @@ def count_between(connection: sa.Connection, after: int, upto: int) -> int:
 
 
 def batches(
-    source: Reader, store_id: str, after: int, upto: int, size: int, max_bytes: int
+    source: Reader, store_id: str, after: int, upto: int, size: int, chunk: int
 ) -> Iterator[list[SourceEvent | Unshippable]]:
     """Source events with ``after < seq <= upto`` in sequence order, verified: ``size`` rows
-    read at a time, each read on a connection of its own, handed on in batches of at most
-    ``max_bytes`` stored bytes (and at least one event)."""
+    read at a time, each read on a connection of its own (released before they are verified),
+    handed on as they are verified, ``chunk`` at a time."""
     events = schema.events
     query = (
         sa.select(*events.c)
@@ -76,46 +76,34 @@ def batches(
     )
     while after < upto:
         with source.connection("reading the log to ship") as connection:
-            rows = [
-                dict(row._mapping) for row in connection.execute(query, {"after": after, "upto": upto, "size": size})
-            ]
-            connection.rollback()  # no snapshot held between batches
+            result = connection.execute(query, {"after": after, "upto": upto, "size": size})
+            names = tuple(result.keys())
+            rows = [dict(zip(names, row, strict=True)) for row in result.fetchall()]
+            connection.rollback()  # no snapshot held between reads
             if not rows:
                 return
             last = int(rows[-1]["seq"])
             origins = origins_between(connection, after, last)
             connection.rollback()
+        for begin in range(0, len(rows), chunk):
             batch: list[SourceEvent | Unshippable] = []
-            for row in rows:
+            for row in rows[begin : begin + chunk]:
                 seq = int(row["seq"])
                 item = _verified(row, origins.get(seq) or EventOrigin(store_id, seq))
                 if isinstance(item, SourceEvent) and isinstance(item.event.body, WorkerBody):
-                    item = _with_join(connection, store_id, item, item.event.body)
+                    item = _with_join(source, store_id, item, item.event.body)
                 batch.append(item)
-        yield from _by_bytes(batch, max_bytes)
+            yield batch
         after = last
 
 
-def _by_bytes(batch: list[SourceEvent | Unshippable], max_bytes: int) -> Iterator[list[SourceEvent | Unshippable]]:
-    part: list[SourceEvent | Unshippable] = []
-    size = 0
-    for item in batch:
-        weight = item.event.size if isinstance(item, SourceEvent) else 0
-        if part and size + weight > max_bytes:
-            yield part
-            part, size = [], 0
-        part.append(item)
-        size += weight
-    if part:
-        yield part
-
-
-def _with_join(connection: sa.Connection, store_id: str, item: SourceEvent, body: WorkerBody) -> SourceEvent:
+def _with_join(source: Reader, store_id: str, item: SourceEvent, body: WorkerBody) -> SourceEvent:
     """A worker's leave names its join by this store's seq: ship the join's identity instead."""
     if item.event.kind is EventKind.WORKER_JOINED or body.joined_seq is None:
         return item
-    joined = event_origin(connection, store_id, body.joined_seq)
-    connection.rollback()
+    with source.connection("reading the log to ship") as connection:
+        joined = event_origin(connection, store_id, body.joined_seq)
+        connection.rollback()
     return dataclasses.replace(item, joined=joined)
 
 
@@ -138,8 +126,20 @@ def _verified(row: Mapping[str, Any], origin: EventOrigin) -> SourceEvent | Unsh
 
 
 def _record_digest(event: Event, row: Mapping[str, Any]) -> str:
-    """A record's digest, hashed again from its stored columns; it must be the one it was staged with."""
+    """A record's digest, hashed again from its stored columns; it must be the one it was staged with.
+
+    The common layout is hashed straight from the stored bytes (``stored_record_digest``, the
+    audit's path: the same checks, the same bytes); anything else takes the general path,
+    which unpacks the columns and names what is wrong."""
     body: RecordBody = event.body
+    ids, mask, log_probs = row["token_ids"], row["token_mask"], row["log_probs"]
+    fast = None
+    if type(ids) is bytes and type(mask) is bytes and type(log_probs) is bytes:
+        fast = stored_record_digest(body, ids, mask, log_probs)
+    if fast is not None:
+        if fast[0] != body.digest:
+            raise CorruptRecordError(f"{describe(row)} does not match its staged digest")
+        return fast[0]
     try:
         columns = stored_columns(row)
         digest, _ = staging_digest_and_columns(
@@ -174,4 +174,6 @@ def _new_event(
         # The process and host that first wrote it, kept across every hop (never the shipper's).
         written_by=(int(row["writer_pid"]), row.get("writer_host")),
         stored_form=stored,
+        # Verified with the row (``verified_event``): appended at the same version, it holds.
+        stored_checksum=(int(row["stream_version"]), bytes(row["checksum"])),
     )
