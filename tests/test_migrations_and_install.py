@@ -363,3 +363,23 @@ def test_no_requirement_names_torch_so_none_can_pull_a_cuda_build() -> None:
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert "pip install --quiet --disable-pip-version-check torch==2.13.0" in ci
     assert ci.index("torch==2.13.0") < ci.index("'.[test,transformers]'") < ci.index("make test\n")
+
+
+def test_postgresql_stores_token_columns_out_of_line_without_compressing_them(store_url: str) -> None:
+    """Revision 0009: ids and log-probs are packed already; pglz tried (and failed) on every event."""
+    if "://" not in store_url:
+        pytest.skip("a PostgreSQL setting (SQLite has no column storage)")
+    with open_store(store_url):
+        pass
+    engine = raw_engine(store_url)
+    try:
+        with engine.connect() as connection:
+            storage = dict(
+                connection.exec_driver_sql(
+                    "SELECT attname, attstorage FROM pg_attribute WHERE attrelid = 'events'::regclass "
+                    "AND attname IN ('token_ids', 'log_probs', 'token_mask', 'body')"
+                ).fetchall()
+            )
+    finally:
+        engine.dispose()
+    assert storage == {"token_ids": "e", "log_probs": "e", "token_mask": "x", "body": "x"}

@@ -181,15 +181,16 @@ def test_a_check_in_the_target_write_transaction_applies_to_shipped_events(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where retention's fences hook in: a check raising inside the target's write transaction
-    (here in place of ``stage_event``) refuses the event; the events before it are shipped."""
-    real_stage = receive.stage_event
+    (here in place of ``stage_refusal``, staging's checks) refuses the event; the events before it
+    are shipped."""
+    real_stage = receive.stage_refusal
 
     def fenced(tx: object, event: object, digest: str) -> object:
         if getattr(event, "rollout_id", None) == "fenced":
             raise StagingRefusedError("rollout 'fenced' is retired")
         return real_stage(tx, event, digest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(receive, "stage_event", fenced)
+    monkeypatch.setattr(receive, "stage_refusal", fenced)
     with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
         for name in ("ok1", "ok2", "fenced", "ok3"):
             assert source.stage(make_record(rollout_id=name)).ok

@@ -17,22 +17,29 @@ def stage_event(tx: WriteTransaction, event: NewEvent, digest: str) -> StageResu
     assert event.staging_key is not None
     if tx.guess_new_stream(event):  # PostgreSQL, a lone stage: written if new, else run again
         return StageResult(ok=True, staging_key=event.staging_key)
+    refusal = stage_refusal(tx, event, digest)
+    if refusal is not None:
+        return StageResult(ok=False, error=refusal)
+    return StageResult(ok=True, staging_key=event.staging_key)
+
+
+def stage_refusal(tx: WriteTransaction, event: NewEvent, digest: str) -> str | None:
+    """``stage_event`` without its result (a ship's hundreds of records a batch): None once the
+    record is staged (or was, identically), else why it was refused."""
+    assert event.staging_key is not None
     # One read: even an identical re-stage of a retired capture key is refused here.
     lookup = tx.stage_lookup(event.rollout_id, event.model_call_id, event.staging_key)
     existing = lookup.key
     if existing is not None:
         same_call = (existing.rollout_id, existing.model_call_id) == (event.rollout_id, event.model_call_id)
         if same_call and existing.digest == digest:
-            return StageResult(ok=True, staging_key=event.staging_key)
-        return StageResult(
-            ok=False,
-            error=(
-                f"staging key {event.staging_key!r} already holds a different record "
-                f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
-            ),
+            return None
+        return (
+            f"staging key {event.staging_key!r} already holds a different record "
+            f"({existing.rollout_id}/{existing.model_call_id}, digest {existing.digest[:16]}...)"
         )
     tx.append(event, lookup)
-    return StageResult(ok=True, staging_key=event.staging_key)
+    return None
 
 
 def owned_key(tx: WriteTransaction, key: str, rollout_id: str, model_call_id: str) -> bool:

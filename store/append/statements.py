@@ -137,9 +137,11 @@ class WriteStatements:
         if postgres:
             for statement, table in ((self.insert_event_at, events), (self.insert_call, calls)):
                 self.many_rows[statement.sql] = unnest_insert(table, engine)
-                self.copy_rows[statement.sql] = copy_insert(table, engine)
             self.many_rows[self.insert_key.sql] = unnest_insert(keys, engine)
-            self.copy_rows[self.insert_key.sql] = copy_insert(keys, engine)
+            # In the order the append gives their values (``_insert``'s names).
+            self.copy_rows[self.insert_call.sql] = copy_insert(calls, engine, CALL_ROW_COLUMNS)
+            self.copy_rows[self.insert_key.sql] = copy_insert(keys, engine, KEY_INSERT_COLUMNS)
+            self.copy_rows[self.insert_event_at.sql] = copy_insert(events, engine)
 
     def held_keys(self, count: int) -> Statement:
         """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record.  Compiled once per

@@ -91,6 +91,7 @@ class WriteTransaction:
         self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_ROLLOUT
         self._ahead_by_key: dict[str, tuple[str, str, str]] = _NOTHING_AHEAD_BY_KEY
         self._bulk = False  # inside ``bulk``: inserts of many rows go out as COPY
+        self._copy_later: dict[str, list[tuple[Any, ...]]] = {}  # inside ``bulk``: rows by statement, as tuples
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
@@ -140,6 +141,11 @@ class WriteTransaction:
 
     def flush(self) -> None:
         """Send the inserts still waiting (``_later``), in the order their statements first came."""
+        if self._copy_later:
+            waiting, self._copy_later = self._copy_later, {}
+            for sql, tuples in waiting.items():
+                copy_sql, _, types = self._sql.copy_rows[sql]
+                self._cursor.copy_rows(copy_sql, types, tuples)
         if self._later:
             later, self._later = self._later, {}
             many_rows = self._sql.many_rows
@@ -213,7 +219,7 @@ class WriteTransaction:
         self._ahead_by_key.clear()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
-        if self._later:
+        if self._later or self._copy_later:
             self.flush()
         return self._cursor.execute(statement.sql, statement.params(values))
 
@@ -222,6 +228,9 @@ class WriteTransaction:
         them in that order (``in_order``: SQLite, run at once), else by name, later (PostgreSQL)."""
         if in_order:
             return self._cursor.execute(statement.sql, values)
+        if self._bulk:  # sent as one COPY of all the statement's rows, in ``names``'s order
+            self._copy_later.setdefault(statement.sql, []).append(values)
+            return None
         named = dict(zip(names, values, strict=True))
         if self._takes_seqs:
             self._insert_later(statement, named)
@@ -474,6 +483,7 @@ class WriteTransaction:
     def rollback_to(self, name: str) -> None:
         self._forget_all_ahead()
         self._later = {}  # the failed caller's inserts never went out: they go with its savepoint
+        self._copy_later = {}
         abandon_copy = getattr(self._cursor, "abandon_copy", None)
         if abandon_copy is not None:  # its rows still streaming go too
             abandon_copy(RuntimeError("rolled back to its savepoint"))

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from store.append.new_event import NewEvent
-from store.append.staging_rules import owned_key, stage_event
+from store.append.staging_rules import owned_key, stage_refusal
 from store.append.statements import copy_insert, unnest_insert
 from store.append.transaction import WriteTransaction
 from store.errors import StoreError
@@ -231,9 +231,9 @@ def _apply(
         )
     if new.kind in RECORD_KINDS:
         assert item.digest is not None
-        result = stage_event(tx, new, item.digest)
-        if not result.ok:
-            return result.error or "the target refused the record"
+        refusal = stage_refusal(tx, new, item.digest)
+        if refusal is not None:
+            return refusal
     elif new.kind is EventKind.KEYS_CLEARED:
         body = new.body
         assert isinstance(body, KeysClearedBody)
