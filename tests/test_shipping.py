@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from capture_helpers import damage_token_ids, raw_event_count
 from corruption_helpers import populate
 from factories import make_record
@@ -25,10 +26,12 @@ from store import (
     InvalidRecordError,
     RolloutFencedError,
     StagingRefusedError,
+    StorageError,
     Store,
     StoreClosedError,
     open_store,
 )
+from store.log.events import AdmissionBody
 from store.shipping import receive
 
 TESTS = Path(__file__).resolve().parent
@@ -321,3 +324,57 @@ def test_retention_cleanup_past_a_fence_ships_past_it_too(store_url: str, tmp_pa
         assert report.ok, report.summary()
         assert staged_keys(target) == staged_keys(source) and set(staged_keys(source)) == {"r1/c0"}
         assert target.replay().ok and target.audit().ok
+
+
+def test_a_record_appended_at_another_stream_version_than_its_source_gets_its_own_checksum(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A shipped event keeps its source's checksum only where every column it covers is the
+    source's: here the target's stream already holds an admission, so the record lands one
+    version later and is hashed again (a kept checksum would read as damage)."""
+    admission = AdmissionBody(
+        schema_version=2, parent_call_id=None, mode="text", prev_len=0, parent_chain_hash=None, weight_version=7
+    )
+    record = make_record()
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        target.record_admission(record.rollout_id, record.model_call_id, admission)
+        assert source.stage(record).ok
+        report = source.ship(target)
+        assert report.ok and report.appended == 1, report.summary()
+        versions = {}
+        for name, store in (("source", source), ("target", target)):
+            with store._engine.connect() as connection:
+                query = sa.text("SELECT stream_version FROM events WHERE staging_key = :key")
+                versions[name] = connection.execute(query, {"key": record.staging_key}).scalar_one()
+        assert versions == {"source": 1, "target": 2}
+        assert target.fetch([record.staging_key])[0].digest == record.digest
+        audit = target.audit()
+        assert audit.ok, audit.summary()
+
+
+def test_a_batch_whose_rows_the_server_refuses_mid_stream_commits_none_of_them(store_url: str, tmp_path: Path) -> None:
+    """PostgreSQL: a batch's events stream to the server (COPY) as they are folded; a row the
+    server refuses part way through fails the whole batch, which commits nothing, and the
+    next ship sends it all."""
+    if "://" not in store_url:
+        pytest.skip("a PostgreSQL trigger refuses the row")
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        assert source.stage_all([_entry(f"r{n}") for n in range(30)]) is not None
+        with target._engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    "CREATE FUNCTION refuse_r17() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    "IF NEW.rollout_id = 'r17' THEN RAISE EXCEPTION 'r17 refused'; END IF; RETURN NEW; END $$"
+                )
+            )
+            connection.execute(
+                sa.text("CREATE TRIGGER refuse_r17 BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION refuse_r17()")
+            )
+        with pytest.raises(StorageError):
+            source.ship(target)
+        assert raw_event_count(target) == 0  # nothing of the batch, though r0..r16 had gone out
+        with target._engine.begin() as connection:
+            connection.execute(sa.text("DROP TRIGGER refuse_r17 ON events"))
+        report = source.ship(target)
+        assert report.ok and report.appended == 30, report.summary()
+        assert_target_reads_like_source(source, target)
