@@ -29,9 +29,10 @@ Progress = Callable[[int, int], object]
 T = TypeVar("T")
 
 # Source events per target transaction, and their stored bytes at most: large enough that a
-# batch's fixed costs (its lock, lookups, round trips) spread thin, small enough that the next
-# batch is read and verified while this one is written.
-BATCH_EVENTS = 512
+# batch's fixed costs (its lock, lookups, round trips, its commit's WAL flush) spread thin,
+# small enough that the next batch is read and verified while this one is written and that
+# other writers of the target wait for one batch at most (about 8 MiB of WAL).
+BATCH_EVENTS = 1024
 BATCH_BYTES = 8 * 1024 * 1024
 # Source events verified at a time (read a batch at a time): what the first batch waits for.
 CHUNK_EVENTS = 128
