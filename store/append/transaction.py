@@ -375,9 +375,9 @@ class WriteTransaction:
         sql = self._sql
         if self._takes_seqs:
             seq = int(self._cursor.take_seq())
-            if self._bulk:  # streamed to the server now, while the next events are folded
-                copy_sql, _, types = self._sql.copy_events  # type: ignore[misc]
-                self._cursor.copy_row(copy_sql, types, (seq, *event_row))
+            copy_events = self._sql.copy_events
+            if self._bulk and copy_events is not None:  # streamed to the server now, while the next are folded
+                self._cursor.copy_row(copy_events[0], copy_events[2], (seq, *event_row))
             else:
                 stored = dict(zip(EVENT_INSERT_COLUMNS, event_row, strict=True))
                 stored["seq"] = seq
