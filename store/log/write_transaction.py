@@ -221,7 +221,11 @@ class _PipelinedCursor:
         it are waited for then (their first error raised here)."""
         if self._copying is None or self._copy_statement != statement:
             self.end_copy()
-            self._pipeline.leave()
+            try:
+                self._pipeline.leave()  # an earlier statement's error is raised here
+            except BaseException:
+                self._pipeline.enter()  # the caller's error handling goes on in pipeline mode
+                raise
             copying = self._cursor.copy(statement)
             try:
                 copy = copying.__enter__()

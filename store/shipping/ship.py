@@ -100,7 +100,8 @@ def ship_log(
     # time it is free, up to a full batch, so the first batch goes out after one chunk and the
     # later ones are as large as the time it writes lets them grow.  A batch is sent only once
     # the one before committed without a problem: a ship still stops at its first problem.
-    # Each chunk is read on a connection of its own (a store of one connection stages between).
+    # The source is read a batch's worth at a time, each read on a connection of its own (a
+    # store of one connection stages between), and verified a chunk at a time.
     stopped: str | None = None
     bad: Unshippable | None = None
     read = 0
