@@ -69,6 +69,20 @@ class CommitUncertainError(StorageError):
     record is a no-op, so staging it again settles it either way."""
 
 
+class ReplicaUnavailableError(StoreError):
+    """A stage under ``replicate_terminal=True`` committed in this store, but its terminal record
+    did not reach the replica within ``replica_wait`` (unreachable, or too slow).  The record is
+    kept here (``results``: what the stage returned) and ships once the replica answers;
+    staging the identical record again is a no-op that waits for the replica again."""
+
+    def __init__(self, message: str, results: object = ()) -> None:
+        super().__init__(message)
+        self.results = results
+
+    def __reduce__(self) -> tuple[type, tuple[str, object]]:
+        return type(self), (str(self), self.results)
+
+
 class RolloutFencedError(StoreError):
     """A write for a capture key that was retired: the fence refuses it and nothing is written."""
 

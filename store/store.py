@@ -18,7 +18,14 @@ from store.append.log import EventLog
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
 from store.append.transaction import WriteTransaction
-from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError, StoreClosedError
+from store.errors import (
+    ConfigurationError,
+    InvalidRecordError,
+    ReadOnlyStoreError,
+    ReplicaUnavailableError,
+    StagingRefusedError,
+    StoreClosedError,
+)
 from store.lifecycle import CallGate, operation, track_for_fork
 from store.lineage import export, tree, versions
 from store.lineage import linearize as lineage_linearize
@@ -57,6 +64,7 @@ from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
 from store.shipping import identity
+from store.shipping import replica as replication
 from store.wire.cut_records import GenerationCutPrefixAck, GenerationCutReceipt, capture_key
 from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult, from_json
 
@@ -100,13 +108,21 @@ class Store:
         schema: str | None = None,
         read_only: bool = False,
         pool_size: int | None = None,
+        replica: str | os.PathLike[str] | None = None,
+        domain: str = "local",
+        replicate_terminal: bool = False,
+        replica_wait: float | None = None,
     ) -> None:
         self._url, schema = split_schema(resolve_url(url_or_path), schema)
         pool_size = arguments.pool_size(pool_size)
+        self._read_only = arguments.flag("read_only", read_only)
+        self._domain = replication.domain_options(
+            replica, domain, replicate_terminal, replica_wait, read_only=self._read_only
+        )
+        self._replicator: replication.Replicator | None = None
         self._durability = durability
         self._schema = schema
         self._store_id: str | None = None
-        self._read_only = arguments.flag("read_only", read_only)
         self._calls = CallGate()
         # Stops for the threads of objects built on this store (a capture's flush thread), run
         # first by close(): none of them outlives the store, and none writes after it.
@@ -137,6 +153,8 @@ class Store:
             else:
                 migrate(self._engine, self._backend, schema)
                 self._log.written_for(self._known_id())  # every event names the store it is for
+            if self._domain.domain == replication.REPLICATED:
+                self._replicator = replication.start(self, self._domain)
         except BaseException:
             self._engine.dispose()
             raise
@@ -219,7 +237,10 @@ class Store:
         """
         event = self._record_event(record, staging_key, kind, spans, completion, _recorded_at(recorded_at))
         stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
-        return self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
+        result = self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
+        if result.ok and event.kind is EventKind.CALL_COMPLETED and self._domain.replicate_terminal:
+            self._replicate_terminal([result], f"the terminal record of {record.rollout_id}/{record.model_call_id}")
+        return result
 
     @operation
     def stage_all(
@@ -246,7 +267,7 @@ class Store:
         if cut_receipt is not None:
             checkpoint_id, inventory_digest, receipt = arguments.cut_receipt(cut_receipt)
             receipt_body = CutReceiptBody(
-                checkpoint_id=checkpoint_id, inventory_digest=inventory_digest, receipt=receipt
+                checkpoint_id=checkpoint_id, inventory_digest=inventory_digest, receipt=receipt, domain=self.domain
             )
             receipt_event = NewEvent(EventKind.CUT_RECEIPT, RECEIPT_STREAM, checkpoint_id, receipt_body)
 
@@ -271,7 +292,14 @@ class Store:
                     tx.append(receipt_event)
             return results
 
-        return self._log.write(work)
+        results = self._log.write(work)
+        if self._domain.replicate_terminal:
+            terminal = [
+                result for result, event in zip(results, events, strict=True) if event.kind is EventKind.CALL_COMPLETED
+            ]
+            if terminal:
+                self._replicate_terminal(terminal, f"{len(terminal)} terminal record(s) of stage_all")
+        return results
 
     def _record_event(
         self,
@@ -541,6 +569,66 @@ class Store:
         """
         return self._log.write(work, durable=durable)
 
+    # --- the durability domain (store.shipping.replica) -------------------------------------
+
+    @property
+    def domain(self) -> str:
+        """Where an acknowledgement is durable: ``"local"`` (in this store) or ``"replicated"``
+        (in this store and in its replica, ``replica_url``; see ``open_store``)."""
+        return self._domain.domain
+
+    @property
+    def replica_url(self) -> str | None:
+        """The replica's URL or path as given to ``open_store`` (None in the local domain)."""
+        return self._domain.replica
+
+    @property
+    def replica_wait(self) -> float | None:
+        """The most seconds an acknowledgement waits for the replica (None in the local domain)."""
+        return self._domain.replica_wait if self._replicator is not None else None
+
+    @property
+    def replicate_terminal(self) -> bool:
+        """Whether a terminal stage waits for the replica too (``open_store(replicate_terminal=)``)."""
+        return self._domain.replicate_terminal
+
+    @operation
+    def replicate(self, *, wait: float | None = None) -> bool:
+        """Wait until every event committed so far is in the replica: True once it is, False when
+        ``wait`` seconds (default ``replica_wait``) ran out first; shipping goes on either way.
+        ``ConfigurationError`` on a store of the local domain."""
+        seconds = arguments.optional_seconds("replicate() wait", wait)
+        replicator = self._replication()
+        deadline = time.monotonic() + (seconds if seconds is not None else self._domain.replica_wait)
+        return replicator.reach(replication.head(self._reader), deadline)
+
+    @operation
+    def _replicated_keys(self, keys: Sequence[str], deadline: float) -> set[str]:
+        """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``."""
+        seqs = replication.key_seqs(self._reader, keys)
+        return replication.in_replica(self._replication(), seqs, deadline)
+
+    def _replication(self) -> replication.Replicator:
+        if self._replicator is None:
+            raise ConfigurationError('this store has no replica: open it with replica= and domain="replicated"')
+        return self._replicator
+
+    def _replicate_terminal(self, results: list[StageResult], what: str) -> None:
+        """Under ``replicate_terminal``: wait for the staged terminal records' events to be in the
+        replica; ``ReplicaUnavailableError`` (the records are kept here) when the wait runs out."""
+        keys = [result.staging_key for result in results if result.staging_key is not None]
+        deadline = time.monotonic() + self._domain.replica_wait
+        there = replication.in_replica(self._replication(), replication.key_seqs(self._reader, keys), deadline)
+        missing = [key for key in keys if key not in there]
+        if missing:
+            replicator = self._replication()
+            reason = replicator.last_error or f"the replica did not answer within {self._domain.replica_wait:g} s"
+            raise ReplicaUnavailableError(
+                f"{what}: staged here, but key {missing[0]!r} did not reach the replica {self._domain.replica} "
+                f"within replica_wait={self._domain.replica_wait:g} s ({reason}); it ships once the replica answers",
+                results,
+            )
+
     # --- events the worker capture appends ----------------------------------------------------
 
     @operation
@@ -596,6 +684,17 @@ class Store:
         arguments.text("checkpoint_id", checkpoint_id)
         arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
+
+    @operation
+    def cut_domain(self, checkpoint_id: str, inventory_digest: str) -> str | None:
+        """The durability domain of the receipt kept for this inventory: ``"replicated"`` when every
+        record its ``durable_prefix`` acknowledgements name was in the replica before it was
+        returned, ``"local"`` when they are durable in the store that served the cut (the
+        receipt kept in this store, shipped or not); None when no receipt is kept."""
+        arguments.text("checkpoint_id", checkpoint_id)
+        arguments.text("inventory_digest", inventory_digest)
+        body = self._reader.cut_receipt_body(checkpoint_id, inventory_digest)
+        return None if body is None else body.domain
 
     @operation
     def cut_receipts(
@@ -728,6 +827,10 @@ def open_store(
     schema: str | None = None,
     read_only: bool = False,
     pool_size: int | None = None,
+    replica: str | os.PathLike[str] | None = None,
+    domain: str = "local",
+    replicate_terminal: bool = False,
+    replica_wait: float | None = None,
 ) -> Store:
     """Open (creating and migrating if needed) a store.
 
@@ -742,8 +845,28 @@ def open_store(
     raises ``ReadOnlyStoreError``.  ``pool_size`` (PostgreSQL; default 1): the most
     connections the store holds at once, its writer's included; with one, stages and reads
     take turns on it.  SQLite ignores it (a file has no connection limit).
+
+    The durability domain: ``domain="local"`` (default) acknowledges what is durable in this
+    store.  ``domain="replicated"`` with ``replica=`` (the URL or path of another store, a
+    central PostgreSQL store for a fleet) ships this store's log into the replica
+    (``Store.ship``, from a thread of the store's own) and has a generation cut acknowledge a
+    ``durable_prefix`` only once every record it names is in the replica, waiting at most
+    ``replica_wait`` seconds (default 5); a call whose records did not get there in time is
+    acknowledged ``durable_failure``.  ``replicate_terminal=True`` makes a terminal stage wait
+    for the replica too, raising ``ReplicaUnavailableError`` (the record kept here) when the wait
+    runs out.  Each bad option raises ``ConfigurationError``.
     """
-    return Store(url_or_path, durability=durability, schema=schema, read_only=read_only, pool_size=pool_size)
+    return Store(
+        url_or_path,
+        durability=durability,
+        schema=schema,
+        read_only=read_only,
+        pool_size=pool_size,
+        replica=replica,
+        domain=domain,
+        replicate_terminal=replicate_terminal,
+        replica_wait=replica_wait,
+    )
 
 
 def _recorded_at(value: float | None) -> float | None:

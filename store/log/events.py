@@ -124,10 +124,14 @@ class KeysClearedBody(msgspec.Struct, kw_only=True):
     reason: str
 
 
-class CutReceiptBody(msgspec.Struct, kw_only=True):
+class CutReceiptBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     checkpoint_id: str
     inventory_digest: str
     receipt: bytes  # the GenerationCutReceipt as JSON, byte for byte
+    # Where its durable_prefix acknowledgements are durable: "local" (the store that served
+    # the cut; left out of the bytes, so a local receipt encodes as before) or "replicated"
+    # (every record they name was in the store's replica before the receipt was written).
+    domain: str = "local"
 
 
 class FenceBody(msgspec.Struct, kw_only=True):

@@ -375,6 +375,11 @@ class Reader:
         )
 
     def cut_receipt(self, checkpoint_id: str, inventory_digest: str) -> bytes | None:
+        body = self.cut_receipt_body(checkpoint_id, inventory_digest)
+        return None if body is None else bytes(body.receipt)
+
+    def cut_receipt_body(self, checkpoint_id: str, inventory_digest: str) -> CutReceiptBody | None:
+        """The stored receipt event's body (the receipt and the domain it is durable in), or None."""
         with self.connection("reading a cut receipt") as connection:
             row = connection.execute(
                 _CUT_RECEIPT, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest}
@@ -391,7 +396,7 @@ class Reader:
             inventory_digest,
         ):
             raise CorruptRecordError(f"{where} names {describe(row._mapping)}, which is not that receipt")
-        return bytes(body.receipt)
+        return body
 
     def cut_receipts(self, checkpoint_id: str | None = None) -> list[bytes]:
         """Every kept cut receipt (JSON), of one checkpoint when given, in log order; checksums verified."""

@@ -19,6 +19,7 @@ from store.errors import (
     CaptureError,
     DigestValueError,
     GenerationCutError,
+    ReplicaUnavailableError,
     RolloutFencedError,
     StreamingUnsupportedError,
 )
@@ -344,6 +345,10 @@ class RolloutTokenCapture:
                 completion=gate.completion(),
                 recorded_at=at,  # the evidence of this completion ages on the capture's clock
             )
+        except ReplicaUnavailableError as exc:  # kept here; a cut says durable_failure until it ships
+            log.warning("%s", exc)
+            kept = exc.results[0] if isinstance(exc.results, list) and exc.results else None
+            result = kept if isinstance(kept, StageResult) else StageResult(ok=False, error=str(exc))
         except Exception as exc:  # the sink failed: poison the capture, still serve the response
             return self._failed(call, f"staging failed: {type(exc).__name__}: {exc}")
         if not isinstance(result, StageResult) or not result.ok or result.staging_key is None:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -197,6 +198,7 @@ class _CutPlan:
     live: LiveCall
     ack: GenerationCutPrefixAck
     entry: StageEntry | None
+    sealed: bool = False  # its chunk was committed ahead of the receipt (the replicated domain)
 
 
 class TerminalGate:
@@ -382,6 +384,8 @@ class CutServer:
         cached = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
         if cached is not None:
             return from_json(cached, GenerationCutReceipt)
+        wait = self._store.replica_wait  # None: the local domain
+        replica_deadline = None if wait is None else time.monotonic() + wait
         calls = [(prefix.capture_key, prefix.model_call_id) for prefix in inventory.active_prefixes]
         if len(set(calls)) != len(calls):
             raise GenerationCutError("the inventory names a model call more than once")
@@ -417,6 +421,8 @@ class CutServer:
                 if plan.entry is not None or plan.ack.disposition == "durable_prefix":
                     plans.append(plan)
                 acks.append(plan.ack)
+            if replica_deadline is not None:
+                acks = self._replicated(plans, acks, replica_deadline)
             receipt = GenerationCutReceipt(
                 checkpoint_id=inventory.checkpoint_id,
                 cut_id=f"worker-{inventory.inventory_digest}",
@@ -426,7 +432,7 @@ class CutServer:
                 prefixes=tuple(acks),
             )
             receipt.validate_for(inventory)
-            entries = [plan.entry for plan in plans if plan.entry is not None]
+            entries = [plan.entry for plan in plans if plan.entry is not None and not plan.sealed]
             # A continued call's keys start with the cut it continued, staged by an earlier
             # attempt: the transaction checks every acknowledged key still holds its record.
             acknowledged = [key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys]
@@ -443,19 +449,51 @@ class CutServer:
                 raise
             raise GenerationCutError(f"serving cut {inventory.checkpoint_id} failed: {exc}") from exc
         else:
+            durable = {ack.ticket_id for ack in acks if ack.disposition == "durable_prefix"}
             for plan in plans:
-                plan.live.seal(plan.entry.staging_key if plan.entry is not None else None)
-                plan.live.acknowledged.update(plan.ack.staging_keys)
+                if not plan.sealed:
+                    plan.live.seal(plan.entry.staging_key if plan.entry is not None else None)
+                if plan.ack.ticket_id in durable:
+                    plan.live.acknowledged.update(plan.ack.staging_keys)
         finally:
             for live in locked:
                 live.rollback()  # a no-op for sealed buffers; frees a buffer frozen for a failure ack
                 live.lifecycle.release()
+        if replica_deadline is not None:
+            # The receipt follows its records into the replica (continue_latest_cut there finds
+            # it), within what is left of the wait; else with the next ship.
+            left = replica_deadline - time.monotonic()
+            if left > 0:
+                self._store.replicate(wait=left)
         if getattr(staged, "receipt_recorded", None) is True:
             return receipt  # ours is the one in the log: no need to read it back
         # Another serve of this inventory (another process on the same store) recorded its
         # receipt first: that one stands.
         stored = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
         return from_json(stored, GenerationCutReceipt) if stored is not None else receipt
+
+    def _replicated(
+        self, plans: list[_CutPlan], acks: list[GenerationCutPrefixAck], deadline: float
+    ) -> list[GenerationCutPrefixAck]:
+        """The replicated domain: commit the cut's chunks here (sealed, as a flush seals them), wait
+        for every record the acknowledgements name to be in the replica (``replica_wait`` at
+        most), and make ``durable_failure`` of each acknowledgement whose records are not there."""
+        entries = [plan.entry for plan in plans if plan.entry is not None]
+        if entries:
+            self._store.stage_all(entries)
+            for plan in plans:
+                if plan.entry is not None:
+                    plan.live.seal(plan.entry.staging_key)
+                    plan.sealed = True
+        named = sorted({key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys})
+        there = self._store._replicated_keys(named, deadline)
+        final = []
+        for ack in acks:
+            if ack.disposition == "durable_prefix" and not all(key in there for key in ack.staging_keys):
+                log.warning("cut: %s/%s did not reach the replica in time", ack.rollout_id, ack.model_call_id)
+                ack = GenerationCutPrefixAck(**_identity(ack), disposition="durable_failure")
+            final.append(ack)
+        return final
 
     def _plan(self, live: LiveCall, prefix: GenerationCutPrefix, checkpoint_id: str) -> _CutPlan:
         if live.observation_error is not None:
@@ -617,7 +655,7 @@ class CutServer:
 _JOIN_WARNING_SECONDS = 10.0
 
 
-def _identity(prefix: GenerationCutPrefix) -> dict[str, Any]:
+def _identity(prefix: GenerationCutPrefix | GenerationCutPrefixAck) -> dict[str, Any]:
     return {
         "ticket_id": prefix.ticket_id,
         "rollout_id": prefix.rollout_id,

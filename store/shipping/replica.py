@@ -1,0 +1,289 @@
+"""A store's durability domain: ``open_store(..., replica=..., domain="replicated")``.
+
+In the ``replicated`` domain an acknowledgement (a cut's ``durable_prefix``; with
+``replicate_terminal`` a terminal stage) waits until the records it names are in the replica,
+for at most ``replica_wait`` seconds.  Shipping (``Store.ship``) stays the mechanism: one
+background thread per store ships everything committed up to the highest sequence number a
+caller waits for, in sequence order, a batch per target transaction, idempotent and verified,
+each event keeping its identity.  The thread keeps the replica's *watermark*: the source seq
+up to which every event is in the replica (a ship is sequence ordered and a batch is all or
+nothing, so the ship's last seq is one).  A caller whose wait runs out gets False and says so
+(``durable_failure``, ``ReplicaUnavailableError``); the thread keeps trying, with a short
+back-off, until the replica answers again, so acknowledgements resume by themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from store.errors import ConfigurationError, StoreClosedError, StoreError
+from store.log import schema
+from store.queries.reads import Reader
+from store.shipping.source import last_seq
+
+if TYPE_CHECKING:
+    from store.shipping.report import ShipReport
+    from store.shipping.ship import Bounds
+    from store.store import Store
+
+log = logging.getLogger("store.replica")
+
+LOCAL = "local"
+REPLICATED = "replicated"
+DOMAINS = (LOCAL, REPLICATED)
+
+DEFAULT_REPLICA_WAIT = 5.0
+MAX_REPLICA_WAIT = 600.0
+# After a failed ship the thread waits this long before the next try (doubling up to the
+# most), so a replica that is down is not hammered and one that is back is found quickly.
+RETRY_FIRST = 0.05
+RETRY_MOST = 1.0
+
+
+@dataclass(frozen=True)
+class DomainOptions:
+    """The checked durability options of one store."""
+
+    domain: str
+    replica: str | None
+    replicate_terminal: bool
+    replica_wait: float
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def domain_options(
+    replica: Any, domain: Any, replicate_terminal: Any, replica_wait: Any, *, read_only: bool
+) -> DomainOptions:
+    """``open_store``'s durability arguments, each checked (``ConfigurationError`` names the one)."""
+    if domain not in DOMAINS or not isinstance(domain, str):
+        raise ConfigurationError(f"domain must be one of {list(DOMAINS)}, got {_shown(domain)}")
+    if replica is not None and not isinstance(replica, (str, os.PathLike)):
+        raise ConfigurationError(
+            f"replica must be the URL or path of another store (a str or os.PathLike), got {_shown(replica)}"
+        )
+    location = None if replica is None else os.fspath(replica)
+    if isinstance(location, bytes):
+        raise ConfigurationError(f"replica must be a str or str path, got {_shown(replica)}")
+    if location is not None and not location.strip():
+        raise ConfigurationError("replica must name a store: got an empty string")
+    if type(replicate_terminal) is not bool:
+        raise ConfigurationError(f"replicate_terminal must be True or False, got {_shown(replicate_terminal)}")
+    if replica_wait is None:
+        wait = DEFAULT_REPLICA_WAIT
+    elif (
+        isinstance(replica_wait, bool)
+        or not isinstance(replica_wait, (int, float))
+        or not 0 < replica_wait <= MAX_REPLICA_WAIT
+    ):
+        raise ConfigurationError(
+            f"replica_wait must be a number of seconds above 0 and at most {MAX_REPLICA_WAIT:g}, "
+            f"got {_shown(replica_wait)}"
+        )
+    else:
+        wait = float(replica_wait)
+    if domain == REPLICATED:
+        if location is None:
+            raise ConfigurationError('domain="replicated" needs replica= (the URL or path of the replica store)')
+        if read_only:
+            raise ConfigurationError(
+                'a store opened read_only=True acknowledges nothing: domain="replicated" needs writes'
+            )
+    else:
+        if location is not None:
+            raise ConfigurationError('replica= is given but domain="local": pass domain="replicated" to use it')
+        if replicate_terminal:
+            raise ConfigurationError('replicate_terminal=True needs domain="replicated" (and replica=)')
+        if replica_wait is not None:
+            raise ConfigurationError(
+                'replica_wait is the bound of a replicated acknowledgement: it needs domain="replicated"'
+            )
+    return DomainOptions(domain, location, replicate_terminal, wait)
+
+
+class Replicator:
+    """The background shipper of one store in the replicated domain, and its watermark.
+
+    ``open_replica`` opens the replica store (lazily, again after a failure: a replica that is
+    down when the worker starts is found once it is up); ``ship(replica, bounds)`` ships the
+    source's log into it.  ``reach(seq, deadline)`` waits until the watermark is at least
+    ``seq`` or ``deadline`` (``time.monotonic``) passes.
+    """
+
+    def __init__(
+        self,
+        open_replica: Callable[[], Store],
+        ship: Callable[[Store, Bounds], ShipReport],
+        source_id: Callable[[], str],
+    ) -> None:
+        self._open_replica = open_replica
+        self._ship = ship
+        self._source_id = source_id
+        self._replica: Store | None = None
+        self._lock = threading.Condition()
+        self._wanted = 0  # the highest source seq a caller waits for
+        self._through = 0  # every source event up to here is in the replica
+        self._known = False  # whether _through was read from the replica yet
+        self._failures = 0
+        self.last_error: str | None = None  # the newest failure, for a caller to show
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def through(self) -> int:
+        """Every source event with a seq up to this is in the replica (as last learnt)."""
+        with self._lock:
+            return self._through
+
+    @property
+    def replica(self) -> Store | None:
+        return self._replica
+
+    def reach(self, seq: int, deadline: float) -> bool:
+        """Wait until every source event up to ``seq`` is in the replica; False once ``deadline``
+        passes first (the thread keeps shipping: a later call finds it there)."""
+        with self._lock:
+            if self._stop.is_set():
+                raise StoreClosedError("this store was closed")
+            if self._known and self._through >= seq:
+                return True
+            self._wanted = max(self._wanted, seq)
+            self._start_thread()
+            self._lock.notify_all()
+            while not (self._known and self._through >= seq):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._lock.wait(left)
+            return True
+
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="staging-store-replica", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        from store.shipping.ship import Bounds
+
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._stop.is_set() and self._known and self._through >= self._wanted:
+                    self._lock.wait()
+                if self._stop.is_set():
+                    return
+            try:
+                if self._replica is None:
+                    self._replica = self._open_replica()
+                report = self._ship(self._replica, Bounds(stop=self._stop))
+            except StoreClosedError:
+                if self._stop.is_set():
+                    return
+                self._failed("the replica store was closed")
+                continue
+            except StoreError as exc:
+                self._failed(f"{type(exc).__name__}: {exc}")
+                continue
+            except Exception as exc:  # the thread never dies of one ship
+                log.exception("shipping to the replica failed")
+                self._failed(f"{type(exc).__name__}: {exc}")
+                continue
+            with self._lock:
+                self._through = max(self._through, report.last_seq)
+                self._known = True
+                self._lock.notify_all()
+            if not report.ok:
+                problem = report.problems[0] if report.problems else None
+                self._failed(f"the ship stopped at a problem: {problem}")
+            else:
+                self._failures = 0
+                self.last_error = None
+
+    def _failed(self, reason: str) -> None:
+        self.last_error = reason
+        self._failures += 1
+        if self._failures == 1:
+            log.warning("replicating to the replica failed (%s); retrying until it answers", reason)
+        self._stop.wait(min(RETRY_MOST, RETRY_FIRST * 2 ** min(self._failures - 1, 10)))
+
+    def close(self) -> None:
+        """Stop the thread (a batch in flight commits whole) and close the replica store."""
+        with self._lock:
+            self._stop.set()
+            self._lock.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        replica, self._replica = self._replica, None
+        if replica is not None:
+            replica.close()
+
+
+def start(store: Store, options: DomainOptions) -> Replicator:
+    """The replicator of ``store`` (opened in the replicated domain): its thread starts now and
+    catches the replica up; the store's ``close()`` stops it first and closes the replica."""
+    from store.store import Store
+
+    location = options.replica
+    assert location is not None
+
+    def open_replica() -> Store:
+        replica = Store(location, pool_size=1)
+        try:
+            if replica.store_id == store._known_id():
+                raise ConfigurationError(f"the replica {replica.url} is this store itself; name another store")
+        except BaseException:
+            replica.close()
+            raise
+        return replica
+
+    replicator = Replicator(open_replica, store._ship_round, store._known_id)
+    remove = store._on_close(replicator.close)
+    try:
+        with replicator._lock:
+            replicator._start_thread()
+    except BaseException:
+        remove()
+        raise
+    return replicator
+
+
+def key_seqs(reader: Reader, keys: Sequence[str]) -> dict[str, int]:
+    """The source seq of each live key's event (a key that holds nothing is left out)."""
+    wanted = list(dict.fromkeys(keys))
+    if not wanted:
+        return {}
+    staged = schema.staged_keys
+    query = sa.select(staged.c.staging_key, staged.c.event_seq).where(staged.c.staging_key.in_(wanted))
+    with reader.connection("reading the seqs of staged keys") as connection:
+        found = {str(key): int(seq) for key, seq in connection.execute(query)}
+        connection.rollback()
+    return found
+
+
+def head(reader: Reader) -> int:
+    """The source's last event now (0: none)."""
+    with reader.connection("reading the last event") as connection:
+        seq = last_seq(connection)
+        connection.rollback()
+    return seq
+
+
+def in_replica(replicator: Replicator, seqs: dict[str, int], deadline: float) -> set[str]:
+    """The keys (of ``seqs``: key -> its event's source seq) whose events are in the replica by
+    ``deadline``: every one when the watermark reaches the highest, else those at or below it."""
+    if not seqs:
+        return set()
+    replicator.reach(max(seqs.values()), deadline)
+    through = replicator.through
+    return {key for key, seq in seqs.items() if seq <= through}

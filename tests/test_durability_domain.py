@@ -1,0 +1,194 @@
+"""The durability domain (``open_store(replica=, domain="replicated")``): a cut acknowledges a
+``durable_prefix`` only once its records are in the replica, says ``durable_failure`` for what
+did not get there within ``replica_wait``, resumes by itself when the replica is back, and a
+replacement worker continues the cut from the replica alone.
+
+The worker store runs on every backend of the suite (``store_url``); the replica is a SQLite
+file, or a PostgreSQL server of the test's own where the test stops and starts it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import pg_cluster
+import pytest
+import replica_helpers as rh
+from factories import make_record
+
+from store import (
+    ConfigurationError,
+    InvalidRecordError,
+    ReplicaUnavailableError,
+    StageResult,
+    open_store,
+)
+from store.log.events import CutReceiptBody
+
+CALLS = range(1, 4)
+
+
+def replica_path(tmp_path: Path) -> str:
+    return str(tmp_path / "replica.db")
+
+
+# --- options ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"domain": "remote"}, "domain must be one of"),
+        ({"domain": 1}, "domain must be one of"),
+        ({"domain": "replicated"}, "needs replica="),
+        ({"replica": "x.db"}, 'domain="local"'),
+        ({"replica": 5, "domain": "replicated"}, "replica must be the URL or path"),
+        ({"replica": "  ", "domain": "replicated"}, "replica must name a store"),
+        ({"replica": "x.db", "domain": "replicated", "replicate_terminal": 1}, "replicate_terminal must be"),
+        ({"replicate_terminal": True}, "replicate_terminal=True needs"),
+        ({"replica": "x.db", "domain": "replicated", "replica_wait": 0}, "replica_wait must be"),
+        ({"replica": "x.db", "domain": "replicated", "replica_wait": float("inf")}, "replica_wait must be"),
+        ({"replica": "x.db", "domain": "replicated", "replica_wait": True}, "replica_wait must be"),
+        ({"replica": "x.db", "domain": "replicated", "replica_wait": 601}, "replica_wait must be"),
+        ({"replica_wait": 1.0}, "replica_wait is the bound"),
+        ({"replica": "x.db", "domain": "replicated", "read_only": True}, "read_only=True"),
+    ],
+)
+def test_each_bad_durability_option_is_refused_before_anything_is_created(
+    tmp_path: Path, options: dict[str, object], names: str
+) -> None:
+    path = tmp_path / "worker.db"
+    with pytest.raises(ConfigurationError, match=names):
+        open_store(path, **options)  # type: ignore[arg-type]
+    assert sorted(os.listdir(tmp_path)) == []  # no store, no replica file
+
+
+def test_a_store_is_not_its_own_replica(tmp_path: Path) -> None:
+    path = str(tmp_path / "worker.db")
+    with open_store(path, replica=path, domain="replicated", replica_wait=0.5) as store:
+        assert store.replicate() is False  # refused (and retried) by the replicator, never shipped
+        assert store._replication().last_error is not None
+        assert "is this store itself" in store._replication().last_error
+
+
+def test_the_local_domain_keeps_its_receipts_bytes_and_says_local(store_url: str) -> None:
+    body = CutReceiptBody(checkpoint_id="c", inventory_digest="d", receipt=b"{}")
+    assert b"domain" not in msgspec.msgpack.encode(body) and b"domain" not in msgspec.json.encode(body)
+    with open_store(store_url) as store:
+        assert (store.domain, store.replica_url, store.replica_wait, store.replicate_terminal) == (
+            "local",
+            None,
+            None,
+            False,
+        )
+        capture, _, receipt = rh.serve_until_cut(store, CALLS, 4)
+        assert {ack.disposition for ack in receipt.prefixes} == {"durable_prefix"}
+        assert store.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "local"
+        assert store.cut_domain("nothing", "none") is None
+        with pytest.raises(ConfigurationError, match="no replica"):
+            store.replicate()
+        capture.close()
+
+
+# --- the replicated domain ---------------------------------------------------------------------
+
+
+def test_a_replicated_cut_is_in_the_replica_and_continues_from_it_alone(store_url: str, tmp_path: Path) -> None:
+    reference = rh.uninterrupted(open_store(tmp_path / "reference.db"), CALLS)
+    replica = replica_path(tmp_path)
+    with open_store(store_url, replica=replica, domain="replicated") as worker:
+        assert (worker.domain, worker.replica_url, worker.replica_wait) == ("replicated", replica, 5.0)
+        capture, live, receipt = rh.serve_until_cut(worker, CALLS, 5)
+        assert [ack.disposition for ack in receipt.prefixes] == ["durable_prefix"] * len(CALLS)
+        assert worker.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
+        # Decoded after the cut: lost with the worker.
+        for call, active in live.items():
+            rh.decode(capture, active, call, 5, 9)
+        capture.close()
+    # The worker's host is gone: the replacement opens the replica alone.
+    with open_store(replica) as restored:
+        assert restored.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
+        (kept,) = restored.cut_receipts()
+        assert kept == receipt
+        for call in CALLS:
+            assert rh.continue_from(restored, call) == reference[call]
+        assert restored.audit().ok
+
+
+def test_the_replica_down_gives_durable_failure_and_acknowledgements_resume(
+    store_url: str, cluster: pg_cluster.Cluster
+) -> None:
+    with open_store(store_url, replica=cluster.url(connect_timeout="2"), domain="replicated", replica_wait=1.0) as worker:
+        capture = rh.capture_on(worker)
+        root = rh.stage_root(capture)
+        live = {call: rh.admit(capture, root, call) for call in CALLS}
+        for call, active in live.items():
+            rh.decode(capture, active, call, 0, 3)
+        first = capture.serve_generation_cut(rh.inventory("checkpoint-1", CALLS))
+        assert {ack.disposition for ack in first.prefixes} == {"durable_prefix"}
+
+        cluster.stop()
+        for call, active in live.items():
+            rh.decode(capture, active, call, 3, 6)
+        started = time.monotonic()
+        second = capture.serve_generation_cut(rh.inventory("checkpoint-2", CALLS))
+        assert time.monotonic() - started < 1.0 + 2.5  # the bound, and the local commits
+        assert [ack.disposition for ack in second.prefixes] == ["durable_failure"] * len(CALLS)
+        # Asked again, the same inventory gets the same answer (the receipt is kept).
+        assert capture.serve_generation_cut(rh.inventory("checkpoint-2", CALLS)) == second
+
+        cluster.start()
+        for call, active in live.items():
+            rh.decode(capture, active, call, 6, 8)
+        third = capture.serve_generation_cut(rh.inventory("checkpoint-3", CALLS))
+        assert [ack.disposition for ack in third.prefixes] == ["durable_prefix"] * len(CALLS)
+        assert [ack.prefix_token_count for ack in third.prefixes] == [8] * len(CALLS)
+        capture.close()
+    with open_store(cluster.url()) as replica:
+        for ack in third.prefixes:
+            assert replica.latest_cut("r0", ack.model_call_id) == ack
+        assert replica.audit().ok
+
+
+def test_replicate_terminal_raises_when_the_replica_is_unreachable_and_keeps_the_record(
+    store_url: str, cluster: pg_cluster.Cluster
+) -> None:
+    url = cluster.url(connect_timeout="2")
+    with open_store(store_url, replica=url, domain="replicated", replicate_terminal=True, replica_wait=0.5) as worker:
+        assert worker.replicate_terminal
+        assert worker.replicate(wait=10.0)
+        capture = rh.capture_on(worker)
+        root = rh.stage_root(capture)  # waited for the replica
+        with open_store(cluster.url()) as replica:
+            assert replica.fetch([root.staging_key])[0].digest == root.digest  # type: ignore[list-item]
+        cluster.stop()
+        lone = make_record(rollout_id="r9", model_call_id="c0")
+        with pytest.raises(ReplicaUnavailableError, match="did not reach the replica") as raised:
+            worker.stage(lone)
+        assert raised.value.results == [StageResult(ok=True, staging_key="r9/c0")]
+        assert worker.fetch(["r9/c0"])[0].digest == lone.digest  # kept here
+        # The capture completes the call all the same: the record is staged (here).
+        active = rh.admit(capture, root, 1)
+        rh.decode(capture, active, 1, 0, rh.TOTAL)
+        coords = capture.complete_observed(active)
+        assert coords.disposition == "staged"
+        cluster.start()
+        assert worker.replicate(wait=10.0)  # the replicator found the replica again by itself
+        assert worker.stage(lone).ok  # the identical record again: a no-op that waits for the replica
+        capture.close()
+    with open_store(cluster.url()) as replica:
+        assert coords.staging_key is not None
+        fetched = replica.fetch(["r9/c0", coords.staging_key])
+        assert [snapshot.digest for snapshot in fetched] == [lone.digest, coords.digest]
+        assert replica.audit().ok
+
+
+def test_replicate_takes_a_bounded_wait(tmp_path: Path) -> None:
+    with open_store(tmp_path / "w.db", replica=replica_path(tmp_path), domain="replicated") as worker:
+        for bad in (0, -1.0, float("nan"), "1", True):
+            with pytest.raises(InvalidRecordError, match="wait"):
+                worker.replicate(wait=bad)  # type: ignore[arg-type]
+        assert worker.replicate(wait=10.0)
