@@ -121,7 +121,9 @@ def test_a_replicated_cut_is_in_the_replica_and_continues_from_it_alone(store_ur
 def test_the_replica_down_gives_durable_failure_and_acknowledgements_resume(
     store_url: str, cluster: pg_cluster.Cluster
 ) -> None:
-    with open_store(store_url, replica=cluster.url(connect_timeout="2"), domain="replicated", replica_wait=1.0) as worker:
+    with open_store(
+        store_url, replica=cluster.url(connect_timeout="2"), domain="replicated", replica_wait=1.0
+    ) as worker:
         capture = rh.capture_on(worker)
         root = rh.stage_root(capture)
         live = {call: rh.admit(capture, root, call) for call in CALLS}
