@@ -9,6 +9,8 @@ final records of the two runs are compared token for token.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -21,7 +23,6 @@ from store import (
     GenerationCutReceipt,
     RolloutTokenCapture,
     Store,
-    capture_key,
 )
 
 POLICY = 3
@@ -52,17 +53,17 @@ def capture_on(store: Store) -> RolloutTokenCapture:
     return RolloutTokenCapture(store=store, weight_version_fn=lambda: POLICY)
 
 
-def stage_root(capture: RolloutTokenCapture) -> CommitCoords:
-    root = capture.begin_call(CaptureAdmission(rollout_id="r0", model_call_id="c0", mode="text"))
+def stage_root(capture: RolloutTokenCapture, rollout: str = "r0") -> CommitCoords:
+    root = capture.begin_call(CaptureAdmission(rollout_id=rollout, model_call_id="c0", mode="text"))
     return capture.complete_call(
         root, prompt_token_ids=ROOT_PROMPT, generated_token_ids=ROOT_GENERATED, generated_logprobs=[-0.5, -0.25]
     )
 
 
 def admit(capture: RolloutTokenCapture, root: CommitCoords, call: int) -> ActiveCall:
-    """Attempt 0 of child ``call``, tracked with its engine prompt (the prefix and its carry)."""
+    """Attempt 0 of child ``call`` (of the root's rollout), tracked with its engine prompt."""
     admission = CaptureAdmission(
-        rollout_id="r0",
+        rollout_id=root.rollout_id,
         model_call_id=model_call_id(call),
         parent_call_id="c0",
         prev_len=len(PREFIX),
@@ -89,10 +90,14 @@ def decode(capture: RolloutTokenCapture, active: ActiveCall, call: int, start: i
     )
 
 
-def inventory(checkpoint_id: str, calls: Iterable[int]) -> GenerationCutInventory:
+def inventory(checkpoint_id: str, calls: Iterable[int], rollout: str = "r0") -> GenerationCutInventory:
     prefixes = [
         GenerationCutPrefix(
-            ticket_id=f"t-{call}", rollout_id="r0", attempt_index=0, model_call_id=model_call_id(call), admitted_at=1.0
+            ticket_id=f"t-{rollout}-{call}",
+            rollout_id=rollout,
+            attempt_index=0,
+            model_call_id=model_call_id(call),
+            admitted_at=1.0,
         )
         for call in calls
     ]
@@ -122,10 +127,10 @@ def final_of(store: Store, coords: CommitCoords) -> Final:
     )
 
 
-def uninterrupted(store: Store, calls: Iterable[int]) -> dict[int, Final]:
+def uninterrupted(store: Store, calls: Iterable[int], rollout: str = "r0") -> dict[int, Final]:
     """Every call decoded to its end on ``store`` with no cut: the reference."""
     capture = capture_on(store)
-    root = stage_root(capture)
+    root = stage_root(capture, rollout)
     finals = {}
     for call in calls:
         active = admit(capture, root, call)
@@ -136,25 +141,25 @@ def uninterrupted(store: Store, calls: Iterable[int]) -> dict[int, Final]:
 
 
 def serve_until_cut(
-    store: Store, calls: Iterable[int], decoded: int, checkpoint_id: str = "checkpoint-1"
+    store: Store, calls: Iterable[int], decoded: int, checkpoint_id: str = "checkpoint-1", rollout: str = "r0"
 ) -> tuple[RolloutTokenCapture, dict[int, ActiveCall], GenerationCutReceipt]:
     """Admit ``calls``, decode ``decoded`` tokens of each, serve a cut naming them all."""
     chosen = list(calls)
     capture = capture_on(store)
-    root = stage_root(capture)
+    root = stage_root(capture, rollout)
     live = {}
     for call in chosen:
         live[call] = admit(capture, root, call)
         decode(capture, live[call], call, 0, decoded)
-    return capture, live, capture.serve_generation_cut(inventory(checkpoint_id, chosen))
+    return capture, live, capture.serve_generation_cut(inventory(checkpoint_id, chosen, rollout))
 
 
-def continue_from(store: Store, call: int) -> Final:
+def continue_from(store: Store, call: int, rollout: str = "r0") -> Final:
     """On ``store`` (a replacement worker's), continue ``call`` from its newest durable cut, decode
     the rest and complete it: its final record."""
     capture = capture_on(store)
     try:
-        active = capture.continue_latest_cut("r0", model_call_id(call))
+        active = capture.continue_latest_cut(rollout, model_call_id(call))
         continuation = active.continuation
         assert continuation is not None
         restored = len(continuation.restored_token_ids)
@@ -164,5 +169,16 @@ def continue_from(store: Store, call: int) -> Final:
         capture.close()
 
 
-def replacement_key(attempt: int) -> str:
-    return capture_key("r0", attempt)
+def final_json(final: Final) -> str:
+    return json.dumps(dataclasses.asdict(final))
+
+
+def final_from_json(text: str) -> Final:
+    fields = json.loads(text)
+    return Final(
+        tuple(fields["token_ids"]),
+        tuple(fields["mask"]),
+        tuple(fields["logprobs"]),
+        fields["chain_hash"],
+        fields["cumulative_hash"],
+    )
