@@ -523,10 +523,12 @@ class Store:
         return follow_log(lambda: self._ship_round(to, Bounds(stop=stop)), stop, wait, on_round)
 
     @operation
-    def _ship_round(self, to: Store, bounds: Bounds) -> ShipReport:
-        return self._ship(to, None, bounds)
+    def _ship_round(self, to: Store, bounds: Bounds, start: int | None = None) -> ShipReport:
+        return self._ship(to, None, bounds, start)
 
-    def _ship(self, to: Store, progress: Callable[[int, int], object] | None, bounds: Bounds) -> ShipReport:
+    def _ship(
+        self, to: Store, progress: Callable[[int, int], object] | None, bounds: Bounds, start: int | None = None
+    ) -> ShipReport:
         if not isinstance(to, Store):
             raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
         if progress is not None and not callable(progress):
@@ -534,7 +536,7 @@ class Store:
         from store.shipping.ship import ShipTarget, ship_log
 
         target = ShipTarget(to.url, to._engine, to._known_id, to._write)
-        return ship_log(self._known_id(), self._reader, target, progress, bounds)
+        return ship_log(self._known_id(), self._reader, target, progress, bounds, start)
 
     @property
     def store_id(self) -> str:

@@ -60,7 +60,7 @@ def stage_root(capture: RolloutTokenCapture, rollout: str = "r0") -> CommitCoord
     )
 
 
-def admit(capture: RolloutTokenCapture, root: CommitCoords, call: int) -> ActiveCall:
+def admit(capture: RolloutTokenCapture, root: CommitCoords, call: int, limit: int = LIMIT) -> ActiveCall:
     """Attempt 0 of child ``call`` (of the root's rollout), tracked with its engine prompt."""
     admission = CaptureAdmission(
         rollout_id=root.rollout_id,
@@ -72,7 +72,7 @@ def admit(capture: RolloutTokenCapture, root: CommitCoords, call: int) -> Active
         parent_chain_hash=root.chain_hash,
     )
     active = capture.begin_call(admission)
-    capture.track(active, prompt_token_ids=[*PREFIX, *carry(call)], effective_output_limit=LIMIT)
+    capture.track(active, prompt_token_ids=[*PREFIX, *carry(call)], effective_output_limit=limit)
     return active
 
 

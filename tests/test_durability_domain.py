@@ -194,3 +194,27 @@ def test_replicate_takes_a_bounded_wait(tmp_path: Path) -> None:
             with pytest.raises(InvalidRecordError, match="wait"):
                 worker.replicate(wait=bad)  # type: ignore[arg-type]
         assert worker.replicate(wait=10.0)
+
+
+def test_a_replica_whose_resume_point_went_back_is_shipped_from_its_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replicator starts each ship at its own watermark without asking; a replica restored to
+    an older state (its resume point lower) is found in the batch's transaction and caught up."""
+    import sqlite3
+
+    replica = replica_path(tmp_path)
+    with open_store(tmp_path / "w.db", replica=replica, domain="replicated") as worker:
+        capture, live, first = rh.serve_until_cut(worker, CALLS, 3)
+        assert {ack.disposition for ack in first.prefixes} == {"durable_prefix"}
+        with sqlite3.connect(replica) as connection:
+            connection.execute("UPDATE ship_sources SET last_seq = 1")
+        for call, active in live.items():
+            rh.decode(capture, active, call, 3, 6)
+        second = capture.serve_generation_cut(rh.inventory("checkpoint-2", CALLS))
+        assert {ack.disposition for ack in second.prefixes} == {"durable_prefix"}
+        assert "holds less than it was sent" in caplog.text
+        capture.close()
+    with open_store(replica) as restored:
+        assert [restored.latest_cut("r0", ack.model_call_id) for ack in second.prefixes] == list(second.prefixes)
+        assert restored.audit().ok

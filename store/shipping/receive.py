@@ -39,6 +39,17 @@ from store.shipping.identity import EventOrigin
 from store.shipping.source import SourceEvent
 
 
+class ResumePointMoved(Exception):
+    """A ship started from the shipper's own resume point (``ship_log(start=)``) found the target's
+    lower: the target lacks events the shipper thought it held.  The batch is rolled back; a
+    ship from the target's own resume point sends them."""
+
+    def __init__(self, expected: int, found: int | None) -> None:
+        super().__init__(f"the target's resume point is {found}, not {expected}")
+        self.expected = expected
+        self.found = found
+
+
 class Refused(Exception):
     """The target refused source event ``source_seq`` by raising: the batch is rolled back."""
 
@@ -123,11 +134,13 @@ def receive(
     source_store_id: str,
     target_store_id: str,
     items: list[SourceEvent],
+    resume_at_least: int | None = None,
 ) -> Received:
     """Apply ``items`` (in source order) in the target's write transaction; its inserts go out
-    as COPY on PostgreSQL (``WriteTransaction.bulk``)."""
+    as COPY on PostgreSQL (``WriteTransaction.bulk``).  ``ResumePointMoved`` when the target's
+    resume point is below ``resume_at_least`` (the ship's assumed start)."""
     with tx.bulk():
-        return _receive(tx, statements, source_store_id, target_store_id, items)
+        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at_least)
 
 
 def _receive(
@@ -136,9 +149,12 @@ def _receive(
     source_store_id: str,
     target_store_id: str,
     items: list[SourceEvent],
+    resume_at_least: int | None,
 ) -> Received:
     received = Received()
     known = resume_point(tx, statements, source_store_id)
+    if resume_at_least is not None and (known or 0) < resume_at_least:
+        raise ResumePointMoved(resume_at_least, known)
     # Another ship of the same source may have committed these first: skip what it did.
     items = [item for item in items if known is None or item.source_seq > known]
     here = _already_here(tx, statements, target_store_id, items)

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from store.errors import ConfigurationError, StoreClosedError, StoreError
 from store.log import schema
 from store.queries.reads import Reader
+from store.shipping.receive import ResumePointMoved
 from store.shipping.source import last_seq
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class Replicator:
     def __init__(
         self,
         open_replica: Callable[[], Store],
-        ship: Callable[[Store, Bounds], ShipReport],
+        ship: Callable[[Store, Bounds, int | None], ShipReport],
         source_id: Callable[[], str],
     ) -> None:
         self._open_replica = open_replica
@@ -182,10 +183,20 @@ class Replicator:
                     self._lock.wait()
                 if self._stop.is_set():
                     return
+            with self._lock:
+                # Its own last ship ended here: the next one starts there without asking (each
+                # batch checks it in its transaction).
+                start = self._through if self._known else None
             try:
                 if self._replica is None:
                     self._replica = self._open_replica()
-                report = self._ship(self._replica, Bounds(stop=self._stop))
+                report = self._ship(self._replica, Bounds(stop=self._stop), start)
+            except ResumePointMoved as moved:  # the replica lost events (restored, recreated)
+                log.warning("the replica holds less than it was sent (%s); shipping from its own resume point", moved)
+                with self._lock:
+                    self._known = False
+                    self._through = 0
+                continue
             except StoreClosedError:
                 if self._stop.is_set():
                     return

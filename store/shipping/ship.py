@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,15 +75,40 @@ class Bounds:
         return None
 
 
+_STATEMENTS: weakref.WeakKeyDictionary[Engine, ShipStatements] = weakref.WeakKeyDictionary()
+_STATEMENTS_LOCK = threading.Lock()
+
+
+def _statements(engine: Engine) -> ShipStatements:
+    """The target's bookkeeping statements, built once per target engine (building them took
+    longer than a small ship)."""
+    with _STATEMENTS_LOCK:
+        found = _STATEMENTS.get(engine)
+        if found is None:
+            found = _STATEMENTS[engine] = ShipStatements(engine)
+        return found
+
+
 def ship_log(
-    source_id: str, source: Reader, target: ShipTarget, progress: Progress | None, bounds: Bounds = Bounds()
+    source_id: str,
+    source: Reader,
+    target: ShipTarget,
+    progress: Progress | None,
+    bounds: Bounds = Bounds(),
+    start: int | None = None,
 ) -> ShipReport:
     """Ship the source's events after the target's resume point for it, up to the source's last
     event when the ship began (a source that keeps being written still lets it end), within
-    ``bounds``."""
-    statements = ShipStatements(target.engine)
-    # The target's log refuses a closed store here, before anything of it is read.
-    start = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
+    ``bounds``.  ``start``: the resume point the shipper knows the target has (its own last ship
+    ended there), which saves reading it first; each batch checks it in its transaction and
+    raises ``ResumePointMoved`` (nothing written) when the target's is lower."""
+    statements = _statements(target.engine)
+    if start is None:
+        # The target's log refuses a closed store here, before anything of it is read.
+        start = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
+        expected = None
+    else:
+        expected = start
     target_id = target.known_id()
     if source_id == target_id:
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
@@ -94,7 +120,9 @@ def ship_log(
         total = min(total, bounds.limit)
     tally = _Tally(last=start, total=total)
     _report(progress, 0, tally.total)
-    send = _Sender(lambda items: _ship_batch(target, statements, source_id, target_id, items), tally, progress)
+    send = _Sender(
+        lambda items: _ship_batch(target, statements, source_id, target_id, items, expected), tally, progress
+    )
     # Read and verified in chunks here while the writer thread applies batches to the target
     # (its write path takes callers from any thread): the writer takes everything ready each
     # time it is free, up to a full batch, so the first batch goes out after one chunk and the
@@ -260,12 +288,17 @@ def _until_unshippable(batch: list[SourceEvent | Unshippable]) -> tuple[list[Sou
 
 
 def _ship_batch(
-    target: ShipTarget, statements: ShipStatements, source_id: str, target_id: str, items: list[SourceEvent]
+    target: ShipTarget,
+    statements: ShipStatements,
+    source_id: str,
+    target_id: str,
+    items: list[SourceEvent],
+    expected: int | None = None,
 ) -> tuple[Received, ShipProblem | None]:
     """Apply ``items`` in one target transaction; a refusal ships the events before it, then reports it."""
 
     def work(chosen: list[SourceEvent]) -> Callable[[WriteTransaction], Received]:
-        return lambda tx: receive(tx, statements, source_id, target_id, chosen)
+        return lambda tx: receive(tx, statements, source_id, target_id, chosen, expected)
 
     if not items:
         return Received(), None
