@@ -5,8 +5,10 @@
     replica (``domain="replicated"``, the replica a fresh schema).  Each call has decoded
     ``--tokens`` tokens (the first cut stages each call's cumulative prefix), then 64 more (the
     second cut stages generation-only chunks).  Goal (issue 25): replicated <= 2x local.
-    Floor: the bare PostgreSQL cost of the same bytes -- one raw psycopg transaction inserting
-    65 rows of the cut's chunk sizes, then COMMIT -- added to the local cut.
+    Floors, each added to the local cut: the bare PostgreSQL cost of the same bytes (one raw
+    psycopg transaction inserting 65 rows of the cut's chunk sizes, then COMMIT), and the same 64
+    records staged in one ``stage_all`` straight into a PostgreSQL store (the target's own write
+    path: the checks and projections a ship applies too).
 (b) Staging throughput: ``--records`` terminal records of 1,024 tokens staged one at a time,
     ``replicate_terminal=True`` against the local domain.
 
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import replica_helpers as rh
 from factories import make_record
 
-from store import open_store
+from store import StageEntry, open_store
 
 CALLS = 64
 
@@ -85,6 +87,19 @@ def floor_seconds(url: str, sizes: list[int]) -> float:
         return time.perf_counter() - started
 
 
+def store_floor_seconds(replica: str, sizes: list[int]) -> float:
+    """The same records staged straight into a PostgreSQL store, in one ``stage_all``: the target's
+    own write path (its checks and projections), which any design keeping them pays."""
+    records = [
+        StageEntry(make_record(rollout_id=f"f{i}", model_call_id="c0", generated=range(1, n + 1)))
+        for i, n in enumerate(sizes)
+    ]
+    with open_store(replica) as target:
+        started = time.perf_counter()
+        target.stage_all(records)
+        return time.perf_counter() - started
+
+
 def staging_rate(path: str, records: int, replica: str | None) -> float:
     options = {} if replica is None else {"replica": replica, "domain": "replicated", "replicate_terminal": True}
     made = [make_record(rollout_id=f"b{i}", model_call_id="c0", generated=range(1, 1021)) for i in range(records)]
@@ -113,6 +128,8 @@ def main() -> int:
         return 2
     first_ratio, second_ratio, floor_ratio, stage_ratio = [], [], [], []
     local_ms, replicated_ms, floor_ms, rates = [], [], [], []
+    store_floor_ratio: list[float] = []
+    store_floor_ms: list[float] = []
     folder = tempfile.mkdtemp(prefix="bench-replicated-")
     try:
         for round_index in range(args.rounds):
@@ -127,6 +144,9 @@ def main() -> int:
             got = {name: run() for name, run in blocks}
             (l1, l2, sizes), (r1, r2, _) = got["local"], got["replicated"]
             floor = floor_seconds(url, sizes)
+            store_floor = store_floor_seconds(f"{url}?schema={schema}f", sizes)
+            store_floor_ratio.append((l1 + store_floor) / l1)
+            store_floor_ms.append(store_floor * 1e3)
             first_ratio.append(r1 / l1)
             second_ratio.append(r2 / l2)
             floor_ratio.append((l1 + floor) / l1)
@@ -148,6 +168,7 @@ def main() -> int:
             with psycopg.connect(url) as connection:
                 connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
                 connection.execute(f'DROP SCHEMA IF EXISTS "{schema}s" CASCADE')
+                connection.execute(f'DROP SCHEMA IF EXISTS "{schema}f" CASCADE')
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     med = statistics.median
@@ -158,6 +179,10 @@ def main() -> int:
     print(
         f"floor: a raw PostgreSQL transaction of the same rows {med(floor_ms):.1f} ms; "
         f"(local + floor) / local: {summary(floor_ratio)}"
+    )
+    print(
+        f"floor: the same records in one stage_all straight into a PostgreSQL store {med(store_floor_ms):.1f} ms; "
+        f"(local + that) / local: {summary(store_floor_ratio)}"
     )
     print(
         f"staging {args.records} terminal records of 1,024 tokens: local {med(r[0] for r in rates):.0f}/s, "
