@@ -190,6 +190,8 @@ class Store:
         self._calls.reset_in_child()
         self._close_hooks_lock = threading.Lock()  # the parent's may be held by a thread the child lacks
         self._forget_parent_connections()
+        if self._replicator is not None:
+            self._replicator.after_fork_in_child()
 
     def _forget_parent_connections(self) -> None:
         """In a forked child: drop the parent's connections without using or closing them."""

@@ -218,3 +218,22 @@ def test_a_replica_whose_resume_point_went_back_is_shipped_from_its_own(
     with open_store(replica) as restored:
         assert [restored.latest_cut("r0", ack.model_call_id) for ack in second.prefixes] == list(second.prefixes)
         assert restored.audit().ok
+
+
+def test_a_forked_child_replicates_on_its_own(tmp_path: Path) -> None:
+    replica = replica_path(tmp_path)
+    with open_store(tmp_path / "w.db", replica=replica, domain="replicated", replicate_terminal=True) as worker:
+        worker.stage(make_record(rollout_id="parent", model_call_id="c0"))
+        pid = os.fork()
+        if pid == 0:  # the child: its stage waits for the replica through a shipper of its own
+            code = 1
+            try:
+                worker.stage(make_record(rollout_id="child", model_call_id="c0"))
+                code = 0 if worker.replicate(wait=10.0) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert worker.replicate(wait=10.0), worker._replication().last_error
+    with open_store(replica) as restored:
+        assert [snapshot.rollout_id for snapshot in restored.fetch(["parent/c0", "child/c0"])] == ["parent", "child"]

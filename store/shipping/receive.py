@@ -66,6 +66,9 @@ class Received:
     appended: int = 0
     present: int = 0
     last_seq: int | None = None  # the source's resume point after the batch (None: unchanged)
+    # Every source event up to here is in the target after the batch: its resume point, which
+    # another ship of the same source (a forked worker's) may have moved past this batch.
+    shipped_through: int | None = None
     conflict: tuple[int, str] | None = None  # (source seq, reason): stopped there
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -191,6 +194,8 @@ def _receive(
             tx.run(statements.insert_source, values)
         else:
             tx.run(statements.update_source, {"b_source_store_id": source_store_id, "last_seq": received.last_seq})
+    marks = [seq for seq in (known, received.last_seq) if seq is not None]
+    received.shipped_through = max(marks) if marks else None
     return received
 
 

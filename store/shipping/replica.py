@@ -227,6 +227,13 @@ class Replicator:
             log.warning("replicating to the replica failed (%s); retrying until it answers", reason)
         self._stop.wait(min(RETRY_MOST, RETRY_FIRST * 2 ** min(self._failures - 1, 10)))
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the parent's thread is not here, and its lock may have been held
+        by it; the child starts afresh (its first wait starts a thread of its own)."""
+        self._lock = threading.Condition()
+        self._thread = None
+        self._known = False
+
     def close(self) -> None:
         """Stop the thread (a batch in flight commits whole) and close the replica store."""
         with self._lock:

@@ -268,6 +268,8 @@ class _Tally:
         self.present += received.present
         if received.last_seq is not None:
             self.last = max(self.last, received.last_seq)
+        if received.shipped_through is not None and problem is None:
+            self.last = max(self.last, received.shipped_through)
         if problem is not None:
             self.problems.append(problem)
             return False
