@@ -10,7 +10,8 @@
     records staged in one ``stage_all`` straight into a PostgreSQL store (the target's own write
     path: the checks and projections a ship applies too).
 (b) Staging throughput: ``--records`` terminal records of 1,024 tokens staged one at a time,
-    ``replicate_terminal=True`` against the local domain.
+    ``replicate_terminal=True`` against the local domain; by one thread, then by 8 threads
+    (whose waits share the shipper's batches).
 
 Alternating blocks (local first in even rounds, replicated first in odd ones), fresh files and
 a fresh schema each round; per-round ratios, median (min-max).  Needs a PostgreSQL server:
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -100,15 +102,21 @@ def store_floor_seconds(replica: str, sizes: list[int]) -> float:
         return time.perf_counter() - started
 
 
-def staging_rate(path: str, records: int, replica: str | None) -> float:
+def staging_rate(path: str, records: int, replica: str | None, threads: int = 1) -> float:
+    """Terminal records of 1,024 tokens staged one at a time by each of ``threads`` threads: records/s."""
     options = {} if replica is None else {"replica": replica, "domain": "replicated", "replicate_terminal": True}
     made = [make_record(rollout_id=f"b{i}", model_call_id="c0", generated=range(1, 1021)) for i in range(records)]
     with open_store(path, **options) as store:  # type: ignore[arg-type]
         if replica is not None:
             assert store.replicate(wait=60.0)
+
+        def stage_share(index: int) -> None:
+            for record in made[index::threads]:
+                store.stage(record)
+
         started = time.perf_counter()
-        for record in made:
-            store.stage(record)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(stage_share, range(threads)))
         return records / (time.perf_counter() - started)
 
 
@@ -130,6 +138,8 @@ def main() -> int:
     local_ms, replicated_ms, floor_ms, rates = [], [], [], []
     store_floor_ratio: list[float] = []
     store_floor_ms: list[float] = []
+    threaded_ratio: list[float] = []
+    threaded_rates: list[tuple[float, float]] = []
     folder = tempfile.mkdtemp(prefix="bench-replicated-")
     try:
         for round_index in range(args.rounds):
@@ -165,10 +175,23 @@ def main() -> int:
             rate = {name: run() for name, run in stage_blocks}
             stage_ratio.append(rate["replicated"] / rate["local"])
             rates.append((rate["local"], rate["replicated"]))
+            threaded: list[tuple[str, Callable[[], float]]] = [
+                ("local", functools.partial(staging_rate, f"{folder}/tl{round_index}.db", args.records, None, 8)),
+                (
+                    "replicated",
+                    functools.partial(staging_rate, f"{folder}/tr{round_index}.db", args.records, replica + "t", 8),
+                ),
+            ]
+            if round_index % 2:
+                threaded.reverse()
+            rate = {name: run() for name, run in threaded}
+            threaded_ratio.append(rate["replicated"] / rate["local"])
+            threaded_rates.append((rate["local"], rate["replicated"]))
             with psycopg.connect(url) as connection:
                 connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
                 connection.execute(f'DROP SCHEMA IF EXISTS "{schema}s" CASCADE')
                 connection.execute(f'DROP SCHEMA IF EXISTS "{schema}f" CASCADE')
+                connection.execute(f'DROP SCHEMA IF EXISTS "{schema}t" CASCADE')
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     med = statistics.median
@@ -187,6 +210,10 @@ def main() -> int:
     print(
         f"staging {args.records} terminal records of 1,024 tokens: local {med(r[0] for r in rates):.0f}/s, "
         f"replicate_terminal {med(r[1] for r in rates):.0f}/s; replicated / local: {summary(stage_ratio)}"
+    )
+    print(
+        f"the same from 8 threads: local {med(r[0] for r in threaded_rates):.0f}/s, "
+        f"replicate_terminal {med(r[1] for r in threaded_rates):.0f}/s; replicated / local: {summary(threaded_ratio)}"
     )
     return 0
 
