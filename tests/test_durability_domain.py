@@ -23,6 +23,7 @@ from store import (
     ConfigurationError,
     InvalidRecordError,
     ReplicaUnavailableError,
+    StageEntry,
     StageResult,
     open_store,
 )
@@ -237,3 +238,22 @@ def test_a_forked_child_replicates_on_its_own(tmp_path: Path) -> None:
         assert worker.replicate(wait=10.0), worker._replication().last_error
     with open_store(replica) as restored:
         assert [snapshot.rollout_id for snapshot in restored.fetch(["parent/c0", "child/c0"])] == ["parent", "child"]
+
+
+def test_a_replica_down_from_the_start_opens_and_says_so(tmp_path: Path) -> None:
+    """Nothing listens on the replica's port: the worker opens all the same, its cuts say
+    durable_failure, and a stage_all of terminal records under replicate_terminal raises, kept here."""
+    port = pg_cluster.free_port(pg_cluster.PORTS)  # free: nothing listens there
+    url = f"postgresql://postgres@127.0.0.1:{port}/postgres?connect_timeout=1"
+    options = {"replica": url, "domain": "replicated", "replicate_terminal": True, "replica_wait": 0.3}
+    with open_store(tmp_path / "w.db", **options) as worker:  # type: ignore[arg-type]
+        entry = StageEntry(make_record(rollout_id="t0", model_call_id="c0"))
+        with pytest.raises(ReplicaUnavailableError) as raised:
+            worker.stage_all([entry])
+        assert raised.value.results == [StageResult(ok=True, staging_key="t0/c0")]
+        assert worker.fetch(["t0/c0"])[0].rollout_id == "t0"  # kept here
+        capture, _, receipt = rh.serve_until_cut(worker, CALLS, 2)  # the root's completion: staged here
+        assert [ack.disposition for ack in receipt.prefixes] == ["durable_failure"] * len(CALLS)
+        assert worker.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
+        assert worker.replicate(wait=0.2) is False
+        capture.close()
