@@ -19,10 +19,8 @@ from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
 from store.append.transaction import WriteTransaction
 from store.errors import (
-    ConfigurationError,
     InvalidRecordError,
     ReadOnlyStoreError,
-    ReplicaUnavailableError,
     StagingRefusedError,
     StoreClosedError,
 )
@@ -65,6 +63,7 @@ from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
 from store.shipping import identity
 from store.shipping import replica as replication
+from store.shipping.domain import DurabilityDomain
 from store.wire.cut_records import GenerationCutPrefixAck, GenerationCutReceipt, capture_key
 from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult, from_json
 
@@ -97,7 +96,7 @@ class StageResults(list[StageResult]):
     receipt_recorded: bool | None = None
 
 
-class Store:
+class Store(DurabilityDomain):
     """A durable token staging store (use ``open_store``).  Thread-safe; one per process."""
 
     def __init__(
@@ -573,66 +572,6 @@ class Store:
         """
         return self._log.write(work, durable=durable)
 
-    # --- the durability domain (store.shipping.replica) -------------------------------------
-
-    @property
-    def domain(self) -> str:
-        """Where an acknowledgement is durable: ``"local"`` (in this store) or ``"replicated"``
-        (in this store and in its replica, ``replica_url``; see ``open_store``)."""
-        return self._domain.domain
-
-    @property
-    def replica_url(self) -> str | None:
-        """The replica's URL or path as given to ``open_store`` (None in the local domain)."""
-        return self._domain.replica
-
-    @property
-    def replica_wait(self) -> float | None:
-        """The most seconds an acknowledgement waits for the replica (None in the local domain)."""
-        return self._domain.replica_wait if self._replicator is not None else None
-
-    @property
-    def replicate_terminal(self) -> bool:
-        """Whether a terminal stage waits for the replica too (``open_store(replicate_terminal=)``)."""
-        return self._domain.replicate_terminal
-
-    @operation
-    def replicate(self, *, wait: float | None = None) -> bool:
-        """Wait until every event committed so far is in the replica: True once it is, False when
-        ``wait`` seconds (default ``replica_wait``) ran out first; shipping goes on either way.
-        ``ConfigurationError`` on a store of the local domain."""
-        seconds = arguments.optional_seconds("replicate() wait", wait)
-        replicator = self._replication()
-        deadline = time.monotonic() + (seconds if seconds is not None else self._domain.replica_wait)
-        return replicator.reach(replication.head(self._reader), deadline)
-
-    @operation
-    def _replicated_keys(self, keys: Sequence[str], deadline: float) -> set[str]:
-        """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``."""
-        seqs = replication.key_seqs(self._reader, keys)
-        return replication.in_replica(self._replication(), seqs, deadline)
-
-    def _replication(self) -> replication.Replicator:
-        if self._replicator is None:
-            raise ConfigurationError('this store has no replica: open it with replica= and domain="replicated"')
-        return self._replicator
-
-    def _replicate_terminal(self, results: list[StageResult], what: str) -> None:
-        """Under ``replicate_terminal``: wait for the staged terminal records' events to be in the
-        replica; ``ReplicaUnavailableError`` (the records are kept here) when the wait runs out."""
-        keys = [result.staging_key for result in results if result.staging_key is not None]
-        deadline = time.monotonic() + self._domain.replica_wait
-        there = replication.in_replica(self._replication(), replication.key_seqs(self._reader, keys), deadline)
-        missing = [key for key in keys if key not in there]
-        if missing:
-            replicator = self._replication()
-            reason = replicator.last_error or f"the replica did not answer within {self._domain.replica_wait:g} s"
-            raise ReplicaUnavailableError(
-                f"{what}: staged here, but key {missing[0]!r} did not reach the replica {self._domain.replica} "
-                f"within replica_wait={self._domain.replica_wait:g} s ({reason}); it ships once the replica answers",
-                results,
-            )
-
     # --- events the worker capture appends ----------------------------------------------------
 
     @operation
@@ -688,17 +627,6 @@ class Store:
         arguments.text("checkpoint_id", checkpoint_id)
         arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
-
-    @operation
-    def cut_domain(self, checkpoint_id: str, inventory_digest: str) -> str | None:
-        """The durability domain of the receipt kept for this inventory: ``"replicated"`` when every
-        record its ``durable_prefix`` acknowledgements name was in the replica before it was
-        returned, ``"local"`` when they are durable in the store that served the cut (the
-        receipt kept in this store, shipped or not); None when no receipt is kept."""
-        arguments.text("checkpoint_id", checkpoint_id)
-        arguments.text("inventory_digest", inventory_digest)
-        body = self._reader.cut_receipt_body(checkpoint_id, inventory_digest)
-        return None if body is None else body.domain
 
     @operation
     def cut_receipts(
