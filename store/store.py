@@ -153,7 +153,7 @@ class Store(DurabilityDomain):
                 migrate(self._engine, self._backend, schema)
                 self._log.written_for(self._known_id())  # every event names the store it is for
             if self._domain.domain == replication.REPLICATED:
-                self._replicator = replication.start(self, self._domain)
+                self._replicator = replication.start(self, self._domain, lambda at: Store(at, pool_size=1))
         except BaseException:
             self._engine.dispose()
             raise

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sqlalchemy as sa
 
@@ -33,7 +33,6 @@ from store.shipping.source import last_seq
 if TYPE_CHECKING:
     from store.shipping.report import ShipReport
     from store.shipping.ship import Bounds
-    from store.store import Store
 
 log = logging.getLogger("store.replica")
 
@@ -124,14 +123,14 @@ class Replicator:
 
     def __init__(
         self,
-        open_replica: Callable[[], Store],
-        ship: Callable[[Store, Bounds, int | None], ShipReport],
+        open_replica: Callable[[], ReplicaStore],
+        ship: Callable[[Any, Bounds, int | None], ShipReport],
         source_id: Callable[[], str],
     ) -> None:
         self._open_replica = open_replica
         self._ship = ship
         self._source_id = source_id
-        self._replica: Store | None = None
+        self._replica: ReplicaStore | None = None
         self._lock = threading.Condition()
         self._wanted = 0  # the highest source seq a caller waits for
         self._through = 0  # every source event up to here is in the replica
@@ -148,7 +147,7 @@ class Replicator:
             return self._through
 
     @property
-    def replica(self) -> Store | None:
+    def replica(self) -> ReplicaStore | None:
         return self._replica
 
     def reach(self, seq: int, deadline: float) -> bool:
@@ -247,16 +246,37 @@ class Replicator:
             replica.close()
 
 
-def start(store: Store, options: DomainOptions) -> Replicator:
-    """The replicator of ``store`` (opened in the replicated domain): its thread starts now and
-    catches the replica up; the store's ``close()`` stops it first and closes the replica."""
-    from store.store import Store
+class ReplicaStore(Protocol):
+    """What the replicator needs of the replica (a ``Store``)."""
 
+    @property
+    def store_id(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class SourceStore(Protocol):
+    """What the replicator needs of the store it ships from (a ``Store``)."""
+
+    def _known_id(self) -> str: ...
+
+    def _ship_round(self, to: Any, bounds: Bounds, start: int | None = None) -> ShipReport: ...
+
+    def _on_close(self, stop: Callable[[], None]) -> Callable[[], None]: ...
+
+
+def start(store: SourceStore, options: DomainOptions, open_store: Callable[[str], ReplicaStore]) -> Replicator:
+    """The replicator of ``store`` (opened in the replicated domain): its thread starts now and
+    catches the replica up (``open_store(location)`` opens it); the store's ``close()`` stops it
+    first and closes the replica."""
     location = options.replica
     assert location is not None
 
-    def open_replica() -> Store:
-        replica = Store(location, pool_size=1)
+    def open_replica() -> ReplicaStore:
+        replica = open_store(location)
         try:
             if replica.store_id == store._known_id():
                 raise ConfigurationError(f"the replica {replica.url} is this store itself; name another store")
