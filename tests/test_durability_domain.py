@@ -257,3 +257,20 @@ def test_a_replica_down_from_the_start_opens_and_says_so(tmp_path: Path) -> None
         assert worker.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
         assert worker.replicate(wait=0.2) is False
         capture.close()
+
+
+def test_the_replica_keeps_up_with_nobody_waiting(tmp_path: Path) -> None:
+    """Between acknowledgements the shipper looks for new events every FOLLOW_INTERVAL."""
+    from store.shipping.replica import FOLLOW_INTERVAL
+
+    replica = replica_path(tmp_path)
+    with open_store(tmp_path / "w.db", replica=replica, domain="replicated") as worker:
+        assert worker.replicate(wait=10.0)
+        staged = worker.stage(make_record(rollout_id="quiet", model_call_id="c0"))  # waits for nothing
+        deadline = time.monotonic() + 10 * FOLLOW_INTERVAL + 5.0
+        found = False
+        with open_store(replica, read_only=True) as reader:
+            while not found and time.monotonic() < deadline:
+                found = any(info.staging_key == staged.staging_key for info in reader.staged_keys())
+                time.sleep(0.05)
+        assert found, "the record did not reach the replica by itself"

@@ -44,6 +44,8 @@ DEFAULT_REPLICA_WAIT = 5.0
 MAX_REPLICA_WAIT = 600.0
 # After a failed ship the thread waits this long before the next try (doubling up to the
 # most), so a replica that is down is not hammered and one that is back is found quickly.
+# With nobody waiting, the thread ships what is new this often.
+FOLLOW_INTERVAL = 0.5
 RETRY_FIRST = 0.05
 RETRY_MOST = 1.0
 
@@ -179,7 +181,10 @@ class Replicator:
         while not self._stop.is_set():
             with self._lock:
                 while not self._stop.is_set() and self._known and self._through >= self._wanted:
-                    self._lock.wait()
+                    # Nobody waits: look for new events now and then all the same, so the replica
+                    # keeps up between acknowledgements (a cut then ships little more than its own).
+                    if not self._lock.wait(FOLLOW_INTERVAL):
+                        break
                 if self._stop.is_set():
                     return
             with self._lock:
