@@ -27,6 +27,7 @@ Phases of the other commands: ``audit`` (``staging-store audit``), ``export``
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.abc
 import os
 import signal
@@ -126,6 +127,7 @@ def arrange(phase: str, sign_fd: int) -> None:
 
 def main() -> None:
     phase, sign_fd, arguments = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks of a hung command
     signal.signal(signal.SIGINT, _on_sigint)
     arrange(phase, sign_fd)
     sys.argv = ["staging-store", *arguments]

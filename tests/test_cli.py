@@ -548,7 +548,14 @@ def _interrupted_in(phase: str, arguments: list[str], cwd: Path) -> subprocess.C
         out, err = proc.communicate(timeout=60)
         raise AssertionError(f"the command never reached {phase!r} (exit {proc.returncode}):\n{out}{err}")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # the harness prints every thread's stack
+        time.sleep(1)
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"still running 60 s after Ctrl-C in {phase!r}; its threads:\n{err}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

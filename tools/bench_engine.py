@@ -8,9 +8,11 @@ from a 16-token prompt.  Captured: the call is admitted and tracked, every token
 the decode thread (``store.worker.engine.generate``), the periodic flush thread stages a chunk
 every 0.25 s (``flush_threshold_tokens=16``), and a cut of the call is served every 64 tokens
 on a second thread (as a control route would), each one a durable commit.  Bare: the same
-engine, same seed, the same tokens, no store.  Each round decodes one bare and one captured
-call in alternating order, on a fresh store file; the target is on the median of the
-per-round ratios (captured / bare).
+engine, same seed, the same tokens, no store.  Floor: the same engine with only the work any
+durable cut must do on the second thread every 64 tokens (the new tokens' bytes, a SHA-256 of
+the generation so far, one raw SQLite commit of them with the store's pragmas).  Each round
+decodes one bare, one captured and one floor call, in alternating order, on fresh files; the
+target is on the median of the per-round ratios (captured / bare).
 
 The CPU ratio (process CPU time of every thread, cuts and flushes included, over the bare
 decode's) is reported beside the wall-clock one: on a shared machine it is the steadier figure.
@@ -132,6 +134,61 @@ def captured(
     return elapsed, list(engine.generated_token_ids)
 
 
+def floor(model: Any, tokens: int, path: str, cpu: list[float]) -> tuple[float, list[int]]:
+    """The same engine with only a cut's mandatory work on a second thread every 64 tokens: the
+    bytes of the tokens decoded since the last cut (ids as u64, log-probs as f32), a SHA-256 of
+    the whole generation so far (the prefix digest an acknowledgement carries), and one raw
+    SQLite transaction writing those bytes, committed with the store's pragmas (WAL,
+    ``synchronous=FULL``).  No store, no records: what any durable cut must at least cost."""
+    import hashlib
+    import sqlite3
+
+    import numpy as np
+
+    engine = TransformersEngine(model, seed=5)
+    connection = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    connection.execute("CREATE TABLE chunks (seq INTEGER PRIMARY KEY, ids BLOB, logprobs BLOB, digest BLOB)")
+    wanted = threading.Semaphore(0)
+    done = threading.Event()
+    sent = 0
+
+    def cutter() -> None:
+        nonlocal sent
+        while True:
+            wanted.acquire()
+            if done.is_set():
+                return
+            ids = list(engine.generated_token_ids)
+            logprobs = list(engine.generated_logprobs)
+            new_ids = np.asarray(ids[sent:], dtype=np.uint64).tobytes()
+            new_logprobs = np.asarray(logprobs[sent:], dtype=np.float32).tobytes()
+            digest = hashlib.sha256(np.asarray(PROMPT + ids, dtype=np.uint64).tobytes()).digest()
+            sent = len(ids)
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute(
+                "INSERT INTO chunks (ids, logprobs, digest) VALUES (?, ?, ?)", (new_ids, new_logprobs, digest)
+            )
+            connection.execute("COMMIT")
+
+    thread = threading.Thread(target=cutter, daemon=True)
+    thread.start()
+    start, used = time.perf_counter(), time.process_time()
+    engine.prefill(PROMPT)
+    for count in range(1, tokens + 1):
+        engine.step()
+        if count % CUT_EVERY == 0:
+            wanted.release()
+    elapsed = time.perf_counter() - start
+    cpu.append(time.process_time() - used)
+    done.set()
+    wanted.release()
+    thread.join(60)
+    connection.close()
+    return elapsed, list(engine.generated_token_ids)
+
+
 def observe_cost(tokens: int, folder: str) -> float:
     """Seconds per token of ``observe`` alone, one token at a time (what the decode thread adds)."""
     with open_store(os.path.join(folder, "observe.db")) as store:
@@ -162,24 +219,30 @@ def main() -> int:
     bare_s: list[float] = []
     captured_s: list[float] = []
     costs: dict[str, list[float]] = {"flush": [], "cut": []}
+    floor_s: list[float] = []
     bare_cpu: list[float] = []
     captured_cpu: list[float] = []
+    floor_cpu: list[float] = []
     with temp_dir(args.dir) as folder:
         bare(model, 32, [])  # warm up torch's kernels
         for number in range(rounds):
             path = os.path.join(folder, f"round-{number}.db")
-            order = ["bare", "captured"] if number % 2 == 0 else ["captured", "bare"]
+            order = ["bare", "captured", "floor"] if number % 2 == 0 else ["floor", "captured", "bare"]
             for kind in order:
                 if kind == "bare":
                     seconds, bare_ids = bare(model, tokens, bare_cpu)
                     bare_s.append(seconds)
-                else:
+                elif kind == "captured":
                     seconds, captured_ids = captured(model, tokens, path, costs, captured_cpu)
                     captured_s.append(seconds)
-            assert bare_ids == captured_ids, "capture changed what the engine decoded"
+                else:
+                    seconds, floor_ids = floor(model, tokens, path + "-floor", floor_cpu)
+                    floor_s.append(seconds)
+            assert bare_ids == captured_ids == floor_ids, "capture changed what the engine decoded"
         per_observe = observe_cost(20_000, folder)
     ratios = [c / b for c, b in zip(captured_s, bare_s, strict=True)]
     cpu_ratios = [c / b for c, b in zip(captured_cpu, bare_cpu, strict=True)]
+    floor_ratios = [f / b for f, b in zip(floor_s, bare_s, strict=True)]
     per_token_bare = statistics.median(bare_s) / tokens
     cuts_per_call = len(costs["cut"]) / rounds
     flushes_per_call = len(costs["flush"]) / rounds
@@ -191,6 +254,10 @@ def main() -> int:
             ["captured decode", *(fmt_seconds(f(captured_s)) for f in (statistics.median, min, max))],
             ["ratio captured/bare per round", *(f"{f(ratios):.3f}x" for f in (statistics.median, min, max))],
             ["CPU ratio (all threads) per round", *(f"{f(cpu_ratios):.3f}x" for f in (statistics.median, min, max))],
+            [
+                "floor: mandatory cut work only / bare",
+                *(f"{f(floor_ratios):.3f}x" for f in (statistics.median, min, max)),
+            ],
         ],
     )
     report.table(
@@ -222,6 +289,8 @@ def main() -> int:
         captured_s=captured_s,
         ratios=ratios,
         cpu_ratios=cpu_ratios,
+        floor_s=floor_s,
+        floor_ratios=floor_ratios,
         per_token_bare_s=per_token_bare,
         observe_s=per_observe,
         flush_s=costs["flush"],
