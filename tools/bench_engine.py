@@ -255,7 +255,7 @@ def main() -> int:
             ["ratio captured/bare per round", *(f"{f(ratios):.3f}x" for f in (statistics.median, min, max))],
             ["CPU ratio (all threads) per round", *(f"{f(cpu_ratios):.3f}x" for f in (statistics.median, min, max))],
             [
-                "floor: mandatory cut work only / bare",
+                "floor: a cut's bare work / bare",
                 *(f"{f(floor_ratios):.3f}x" for f in (statistics.median, min, max)),
             ],
         ],
