@@ -33,13 +33,18 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
-interrupted = threading.Event()
+# A plain flag, not a threading.Event: the handler runs in the main thread between two of its
+# bytecodes, possibly while that thread holds an Event's lock (entering or leaving a wait), and
+# taking the lock again there deadlocks the command for good (seen once in a loaded run).
+_interrupted = False
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
-    interrupted.set()
+    global _interrupted
+    _interrupted = True
     raise KeyboardInterrupt
 
 
@@ -47,10 +52,12 @@ def hold(phase: str, sign_fd: int) -> None:
     """Say where the command is, then wait for the SIGINT (raised here in the main thread;
     in another thread, wait until the main thread has it, then go on)."""
     os.write(sign_fd, f"{phase}\n".encode())
+    deadline = time.monotonic() + 60
+    while not _interrupted and time.monotonic() < deadline:
+        time.sleep(0.01)  # in the main thread the handler raises KeyboardInterrupt out of this sleep
     if threading.current_thread() is threading.main_thread():
-        interrupted.wait(60)  # the handler raises KeyboardInterrupt out of this wait
         raise SystemExit("harness: no SIGINT within 60 s")
-    if not interrupted.wait(60):
+    if not _interrupted:
         os._exit(99)
 
 

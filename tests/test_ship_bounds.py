@@ -166,6 +166,29 @@ def test_ship_follow_on_the_command_line_stops_cleanly_on_sigint(tmp_path: Path)
     assert (totals["ok"], totals["appended"], totals["stopped"]) == (True, 3, "stopped")
 
 
+_SIGNAL_IN_THE_WAIT = """
+import os, signal, threading, time
+from store.cli.ship import _stop_on_signals
+with _stop_on_signals() as stop:
+    with stop._cond:  # where the follow loop is entering or leaving stop.wait()
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, in this thread
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while not stop.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("stopped" if stop.is_set() else "not stopped")
+"""
+
+
+def test_a_signal_landing_inside_the_follow_loops_wait_still_stops_it() -> None:
+    """A SIGINT whose handler runs while the main thread holds the stop event's lock: setting
+    the event in the handler took that lock again and hung ``ship --follow`` for good."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_IN_THE_WAIT], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr
+
+
 _WORKER = """
 import sys
 sys.path.insert(0, {tests!r})

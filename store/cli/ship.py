@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,8 @@ import click
 
 from store.cli import exits, output
 from store.cli.opening import read_only, shown, writable
+
+SIGNAL_POLL = 0.05  # how soon a noted SIGINT/SIGTERM reaches the follow loop
 
 
 @click.command(
@@ -107,18 +110,34 @@ def ship(
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[threading.Event]:
     """An event SIGINT and SIGTERM set (the follow stops after the batch in flight), the
-    handlers they had put back after."""
-    stop = threading.Event()
+    handlers they had put back after.
 
-    def handler(_signum: int, _frame: Any) -> None:
+    The handler only notes the signal; a thread of its own sets the event.  A handler runs in
+    the main thread between two of its bytecodes, possibly while that thread holds the event's
+    lock (entering or leaving ``stop.wait`` in the follow loop): setting the event there would
+    take that lock again and hang the command for good.
+    """
+    stop = threading.Event()
+    asked: list[int] = []  # appended to by the handler: no lock the interrupted code may hold
+
+    def handler(signum: int, _frame: Any) -> None:
+        asked.append(signum)
+
+    def relay() -> None:
+        while not asked and not stop.is_set():
+            time.sleep(SIGNAL_POLL)
         stop.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    relay_thread = threading.Thread(target=relay, name="staging-store-ship-signals", daemon=True)
+    relay_thread.start()
     try:
         yield stop
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        stop.set()
+        relay_thread.join()
 
 
 def _round_printer(as_json: bool) -> Any:
