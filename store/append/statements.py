@@ -142,6 +142,8 @@ class WriteStatements:
             self.copy_rows[self.insert_call.sql] = copy_insert(calls, engine, CALL_ROW_COLUMNS)
             self.copy_rows[self.insert_key.sql] = copy_insert(keys, engine, KEY_INSERT_COLUMNS)
             self.copy_rows[self.insert_event_at.sql] = copy_insert(events, engine)
+        # PostgreSQL: the calls rows a transaction updates, sent as one statement (``flush``).
+        self.update_calls = unnest_update(calls, ("rollout_id", "model_call_id"), engine) if postgres else None
 
     def held_keys(self, count: int) -> Statement:
         """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record.  Compiled once per
@@ -172,6 +174,17 @@ def unnest_insert(table: sa.Table, engine: Engine) -> tuple[str, tuple[str, ...]
     # Binary parameters (``%b``): an array of bytea in text form is escaped byte by byte.
     arrays = ", ".join(f"%({name})b::{table.c[name].type.compile(dialect=engine.dialect)}[]" for name in names)
     return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays})", names
+
+
+def unnest_update(table: sa.Table, keys: tuple[str, ...], engine: Engine) -> tuple[str, tuple[str, ...]]:
+    """PostgreSQL: UPDATE of many rows of ``table`` (found by the columns ``keys``) in one
+    statement, every other column set from one array parameter per column (``unnest``), and
+    the column names in the order the arrays go (the table's).  Each row is named once."""
+    names = tuple(column.name for column in table.c)
+    arrays = ", ".join(f"%({name})b::{table.c[name].type.compile(dialect=engine.dialect)}[]" for name in names)
+    sets = ", ".join(f"{name} = v.{name}" for name in names if name not in keys)
+    where = " AND ".join(f"{table.name}.{name} = v.{name}" for name in keys)
+    return f"UPDATE {table.name} SET {sets} FROM unnest({arrays}) AS v({', '.join(names)}) WHERE {where}", names
 
 
 # Each column type's binary COPY form (``copy_insert``); the length of a VARCHAR(n) is still

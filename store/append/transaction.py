@@ -50,6 +50,7 @@ COPY_MIN_ROWS = 16
 # A transaction's read-ahead lookups before any: shared, never written (``WriteTransaction``).
 _NOTHING_AHEAD: dict[tuple[str, str, str], Any] = {}
 _NOTHING_AHEAD_BY_ROLLOUT: dict[str, list[tuple[str, str, str]]] = {}
+_NOTHING_AHEAD_BY_CALL: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
 _NOTHING_AHEAD_BY_KEY: dict[str, tuple[str, str, str]] = {}
 
 
@@ -89,9 +90,14 @@ class WriteTransaction:
         # Empty and shared until a read ahead makes the transaction its own (most never do).
         self._ahead: dict[tuple[str, str, str], Any] = _NOTHING_AHEAD
         self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_ROLLOUT
+        self._ahead_by_call: dict[tuple[str, str], list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_CALL
         self._ahead_by_key: dict[str, tuple[str, str, str]] = _NOTHING_AHEAD_BY_KEY
         self._bulk = False  # inside ``bulk``: inserts of many rows go out as COPY
         self._copy_later: dict[str, list[tuple[Any, ...]]] = {}  # inside ``bulk``: rows by statement, as tuples
+        # PostgreSQL: the calls rows updated since the last flush, by stream (the newest state of
+        # each), sent as one statement by ``flush``, after the inserts (a row updated may be one
+        # inserted in this transaction): a cut of 64 existing calls sends one update, not 64.
+        self._calls_later: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
@@ -164,6 +170,18 @@ class WriteTransaction:
                 # its prepared statements when a caller of the batch is rolled back to a savepoint).
                 unnest, names = bulk
                 self._cursor.execute(unnest, {name: [row[name] for row in rows] for name in names})
+        if self._calls_later:
+            updated, self._calls_later = self._calls_later, {}
+            if len(updated) == 1:
+                (values,) = updated.values()
+                row = dict(zip(CALL_ROW_COLUMNS, values, strict=True))
+                row["b_rollout_id"], row["b_model_call_id"] = row["rollout_id"], row["model_call_id"]
+                self._cursor.execute(self._sql.update_call.sql, self._sql.update_call.params(row))
+            else:
+                assert self._sql.update_calls is not None
+                sql, names = self._sql.update_calls
+                columns = [list(column) for column in zip(*updated.values(), strict=True)]
+                self._cursor.execute(sql, dict(zip(names, columns, strict=True)))
 
     def _insert_later(self, statement: Statement, values: dict[str, Any]) -> None:
         self._later.setdefault(statement.sql, []).append(statement.params(values))
@@ -195,16 +213,26 @@ class WriteTransaction:
             cursor.close()
         if self._ahead is _NOTHING_AHEAD:
             self._ahead, self._ahead_by_rollout, self._ahead_by_key = {}, {}, {}
+            self._ahead_by_call = {}
         for stream, row in zip(wanted, rows, strict=True):
             self._ahead[stream] = row
             self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
+            self._ahead_by_call.setdefault((stream[0], stream[1]), []).append(stream)
             self._ahead_by_key[stream[2]] = stream
 
-    def _forget_ahead(self, rollout_id: str, keys: Any) -> None:
-        """Drop read-ahead lookups an append made stale (its rollout's, or naming its keys)."""
+    def _forget_ahead(self, event: Event, keys: Any) -> None:
+        """Drop read-ahead lookups an append made stale: its stream's (the calls row and last
+        version), those naming its keys, and, for an event of the rollout's own (a fence, a
+        tombstone, a ledger entry: ``ROLLOUT_KINDS``), every one of its rollout (the fence).
+        Other events change nothing else a lookup reads: a cut's 64 calls of one rollout keep
+        their lookups read ahead."""
         if not self._ahead:
             return
-        for stream in self._ahead_by_rollout.pop(rollout_id, ()):
+        if event.kind in ROLLOUT_KINDS:
+            stale = self._ahead_by_rollout.pop(event.rollout_id, ())
+        else:
+            stale = self._ahead_by_call.pop((event.rollout_id, event.model_call_id), ())
+        for stream in stale:
             self._ahead.pop(stream, None)
         for key in keys:
             named = self._ahead_by_key.pop(key, None)
@@ -216,10 +244,11 @@ class WriteTransaction:
             return  # the shared empty dicts are never changed
         self._ahead.clear()
         self._ahead_by_rollout.clear()
+        self._ahead_by_call.clear()
         self._ahead_by_key.clear()
 
     def _execute(self, statement: Statement, values: dict[str, Any]) -> Any:
-        if self._later or self._copy_later:
+        if self._later or self._copy_later or self._calls_later:
             self.flush()
         return self._cursor.execute(statement.sql, statement.params(values))
 
@@ -430,6 +459,10 @@ class WriteTransaction:
         if current is None:
             self._insert(self._sql.insert_call, self._sql.call_tuple, CALL_ROW_COLUMNS, folded.row_values())
             return
+        if self._takes_seqs and self._sql.update_calls is not None:
+            # Sent with the next statement or COMMIT (``flush``): whatever reads the row goes after it.
+            self._calls_later[(event.rollout_id, event.model_call_id)] = folded.row_values()
+            return
         row = folded.to_row()
         row["b_rollout_id"], row["b_model_call_id"] = event.rollout_id, event.model_call_id
         self._execute(self._sql.update_call, row)
@@ -437,7 +470,7 @@ class WriteTransaction:
     def _project_keys(self, event: Event) -> None:
         added, removed = fold_keys(event)
         if self._ahead:
-            self._forget_ahead(event.rollout_id, (*added, *removed))
+            self._forget_ahead(event, (*added, *removed))
         for key in removed:
             self._execute(self._sql.delete_key, {"staging_key": key})
         for key, state in added.items():
@@ -484,6 +517,7 @@ class WriteTransaction:
         self._forget_all_ahead()
         self._later = {}  # the failed caller's inserts never went out: they go with its savepoint
         self._copy_later = {}
+        self._calls_later = {}
         abandon_copy = getattr(self._cursor, "abandon_copy", None)
         if abandon_copy is not None:  # its rows still streaming go too
             abandon_copy(RuntimeError("rolled back to its savepoint"))
