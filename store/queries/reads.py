@@ -220,6 +220,11 @@ class Reader:
         # The connection a ``pinned`` block reads on, per thread and task (a context variable).
         self._pinned: ContextVar[sa.Connection | None] = ContextVar(f"store_reader_{id(self)}", default=None)
 
+    @property
+    def engine(self) -> Engine:
+        """The engine read from (its dialect compiles a caller's statements once)."""
+        return self._engine
+
     @contextmanager
     def connection(self, action: str) -> Iterator[sa.Connection]:
         """A pooled connection, or the pinned one inside a ``pinned`` block."""

@@ -114,14 +114,20 @@ def ship_log(
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
     with source.connection("reading the log to ship") as connection:
         head = last_seq(connection)
-        total = count_between(connection, start, head)
+        # The total is for ``progress`` only: a ship without one (the replicator's) skips the count.
+        total = count_between(connection, start, head) if progress is not None else 0
         connection.rollback()
     if bounds.limit is not None:
         total = min(total, bounds.limit)
     tally = _Tally(last=start, total=total)
     _report(progress, 0, tally.total)
     send = _Sender(
-        lambda items: _ship_batch(target, statements, source_id, target_id, items, expected), tally, progress
+        lambda items: _ship_batch(target, statements, source_id, target_id, items, expected),
+        tally,
+        progress,
+        # At most one chunk to ship (seqs only grow): its one batch is written by this thread, no
+        # writer thread to start and hand it to (a replicated cut's ship, a receipt's).
+        inline=head - start <= _chunk_size(bounds.limit),
     )
     # Read and verified in chunks here while the writer thread applies batches to the target
     # (its write path takes callers from any thread): the writer takes everything ready each
@@ -156,9 +162,11 @@ def ship_log(
     done = tally.appended + tally.present
     if not tally.problems and done != tally.total:
         _report(progress, done, done)
-    with source.connection("counting the events left to ship") as connection:
-        remaining = count_between(connection, tally.last, head)
-        connection.rollback()
+    remaining = 0
+    if tally.last < head:  # else nothing is left (the common end: everything up to the head shipped)
+        with source.connection("counting the events left to ship") as connection:
+            remaining = count_between(connection, tally.last, head)
+            connection.rollback()
     return ShipReport(
         ok=not tally.problems,
         source_store_id=source_id,
@@ -190,11 +198,14 @@ class _Sender:
         ship_batch: Callable[[list[SourceEvent]], tuple[Received, ShipProblem | None]],
         tally: _Tally,
         progress: Progress | None,
+        *,
+        inline: bool = False,
     ) -> None:
         self._ship_batch = ship_batch
         self._tally = tally
         self._progress = progress
-        self._writer = ThreadPoolExecutor(1)
+        # ``inline``: each batch is written by the caller's thread when sent (a ship of one batch).
+        self._writer = None if inline else ThreadPoolExecutor(1)
         self._writing: Future[tuple[Received, ShipProblem | None]] | None = None
         self._ready: list[SourceEvent] = []
         self._ready_bytes = 0
@@ -203,7 +214,8 @@ class _Sender:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._writer.shutdown(wait=True)  # a batch in flight commits or fails before the ship returns
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)  # a batch in flight commits or fails before the ship returns
 
     def offer(self, events: list[SourceEvent]) -> bool:
         """Add verified events; send a batch if the writer is free (wait for it when a full batch
@@ -248,7 +260,15 @@ class _Sender:
             size += event.event.size
         batch, self._ready = self._ready[:count], self._ready[count:]
         self._ready_bytes -= size
-        self._writing = self._writer.submit(self._ship_batch, batch)
+        if self._writer is not None:
+            self._writing = self._writer.submit(self._ship_batch, batch)
+            return
+        written: Future[tuple[Received, ShipProblem | None]] = Future()
+        try:
+            written.set_result(self._ship_batch(batch))
+        except Exception as exc:  # raised where the result is read, as a writer thread's would be
+            written.set_exception(exc)
+        self._writing = written
 
 
 @dataclass
