@@ -322,7 +322,7 @@ def key_seqs(reader: Reader, keys: Sequence[str]) -> dict[str, int]:
             size = 1 << (len(part) - 1).bit_length()
             statement = _key_seqs_statement(engine, size)
             values = {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
-            rows = connection.exec_driver_sql(statement.sql, statement.params(values))  # type: ignore[arg-type]
+            rows = connection.exec_driver_sql(statement.sql, statement.params(values))
             found.update((str(key), int(seq)) for key, seq in rows)
         connection.rollback()
     return found
