@@ -94,6 +94,9 @@ class StageResults(list[StageResult]):
     already and stands; None: no receipt was given)."""
 
     receipt_recorded: bool | None = None
+    # The seq of the last event this call appended (None: none), for the replicated domain's
+    # wait for its receipt (``CutServer.serve``): not read back from the log.
+    _last_seq: int | None = None
 
 
 class Store(DurabilityDomain):
@@ -274,6 +277,7 @@ class Store(DurabilityDomain):
 
         def work(tx: WriteTransaction) -> StageResults:
             results = StageResults()
+            before = tx.appended  # (a transaction shared with other callers: theirs came first)
             for event, entry in zip(events, entries, strict=True):
                 result = stage_event(tx, event, entry.record.digest)
                 if not result.ok:
@@ -291,6 +295,8 @@ class Store(DurabilityDomain):
                 results.receipt_recorded = tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None
                 if results.receipt_recorded:
                     tx.append(receipt_event)
+            if tx.appended > before:
+                results._last_seq = tx.last_seq
             return results
 
         results = self._log.write(work)

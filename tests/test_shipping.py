@@ -12,8 +12,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
+import replica_helpers as rh
 import sqlalchemy as sa
 from capture_helpers import damage_token_ids, raw_event_count
 from corruption_helpers import populate
@@ -378,3 +380,44 @@ def test_a_batch_whose_rows_the_server_refuses_mid_stream_commits_none_of_them(s
         report = source.ship(target)
         assert report.ok and report.appended == 30, report.summary()
         assert_target_reads_like_source(source, target)
+
+
+def test_a_cut_of_many_calls_of_one_rollout_ships_without_a_statement_per_call(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch reads its lookups ahead once (an append makes only its own stream's stale, not its
+    rollout's) and updates the calls rows together: on PostgreSQL no stage lookup and no calls
+    update is sent per event.  The target reads like the source and replays clean either way."""
+    from store.append.transaction import WriteTransaction
+
+    sent: list[str] = []
+    original = WriteTransaction._execute
+
+    def counting(self: WriteTransaction, statement: Any, values: dict[str, Any]) -> Any:
+        sql = self._sql
+        per_event = {sql.stage_lookup.sql: "lookup", sql.update_call.sql: "update"}
+        if sql.stage_lookup_seq is not None:
+            per_event[sql.stage_lookup_seq.sql] = "lookup"
+        sent.append(per_event.get(statement.sql, "other"))
+        return original(self, statement, values)
+
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        capture = rh.capture_on(source)
+        root = rh.stage_root(capture)
+        live = {call: rh.admit(capture, root, call, limit=64) for call in range(1, 17)}
+        assert source.ship(target).ok  # the admissions: every call's row is in the target
+        for active in live.values():
+            capture.observe(active, list(range(1000, 1008)), [-0.5] * 8)
+        receipt = capture.serve_generation_cut(rh.inventory("checkpoint-1", live))
+        assert {ack.disposition for ack in receipt.prefixes} == {"durable_prefix"}
+        capture.close()
+        monkeypatch.setattr(WriteTransaction, "_execute", counting)
+        report = source.ship(target)
+        monkeypatch.undo()
+        assert report.ok and report.appended == len(live) + 1, report.summary()  # 16 chunks and the receipt
+        if target.backend == "postgresql":
+            assert "lookup" not in sent and "update" not in sent, sent
+        else:  # SQLite reads and writes each at once (nothing to save a round trip on)
+            assert sent.count("lookup") == len(live) and sent.count("update") == len(live)
+        assert_target_reads_like_source(source, target)
+        assert target.replay().ok

@@ -59,10 +59,17 @@ class DurabilityDomain:
         return replicator.reach(replication.head(self._reader), deadline)
 
     @operation
+    def _replicated_through(self, seq: int, wait: float) -> bool:
+        """``replicate`` up to source event ``seq`` only (known to the caller: no read of the head)."""
+        return self._replication().reach(seq, time.monotonic() + wait)
+
+    @operation
     def _replicated_keys(self, keys: Sequence[str], deadline: float) -> set[str]:
         """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``."""
+        replicator = self._replication()
+        replicator.poke()  # their events are committed: the ship starts while their seqs are read
         seqs = replication.key_seqs(self._reader, keys)
-        return replication.in_replica(self._replication(), seqs, deadline)
+        return replication.in_replica(replicator, seqs, deadline)
 
     def _replication(self) -> replication.Replicator:
         if self._replicator is None:

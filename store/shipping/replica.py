@@ -138,6 +138,7 @@ class Replicator:
         self._wanted = 0  # the highest source seq a caller waits for
         self._through = 0  # every source event up to here is in the replica
         self._known = False  # whether _through was read from the replica yet
+        self._poked = False  # a caller asked for a ship now (``poke``), whatever it waits for
         self._failures = 0
         self.last_error: str | None = None  # the newest failure, for a caller to show
         self._stop = threading.Event()
@@ -171,6 +172,16 @@ class Replicator:
                 self._lock.wait(left)
             return True
 
+    def poke(self) -> None:
+        """Ship what is committed now, without waiting for it: a caller about to wait (after
+        reading what it waits for) has the ship begin meanwhile."""
+        with self._lock:
+            if self._stop.is_set():
+                raise StoreClosedError("this store was closed")
+            self._poked = True
+            self._start_thread()
+            self._lock.notify_all()
+
     def _start_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="staging-store-replica", daemon=True)
@@ -181,13 +192,14 @@ class Replicator:
 
         while not self._stop.is_set():
             with self._lock:
-                while not self._stop.is_set() and self._known and self._through >= self._wanted:
+                while not self._stop.is_set() and not self._poked and self._known and self._through >= self._wanted:
                     # Nobody waits: look for new events now and then all the same, so the replica
                     # keeps up between acknowledgements (a cut then ships little more than its own).
                     if not self._lock.wait(FOLLOW_INTERVAL):
                         break
                 if self._stop.is_set():
                     return
+                self._poked = False  # this ship goes up to the head as it is now: what was asked for
             with self._lock:
                 # Its own last ship ended here: the next one starts there without asking (each
                 # batch checks it in its transaction).

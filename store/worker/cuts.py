@@ -463,7 +463,10 @@ class CutServer:
             # The receipt follows its records into the replica (continue_latest_cut there finds
             # it), within what is left of the wait; else with the next ship.
             left = replica_deadline - time.monotonic()
-            if left > 0:
+            receipt_seq = getattr(staged, "_last_seq", None) if getattr(staged, "receipt_recorded", None) else None
+            if left > 0 and receipt_seq is not None:
+                self._store._replicated_through(receipt_seq, left)  # the receipt is the cut's last event
+            elif left > 0:
                 self._store.replicate(wait=left)
         if getattr(staged, "receipt_recorded", None) is True:
             return receipt  # ours is the one in the log: no need to read it back
