@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -61,16 +60,14 @@ from store.retention import retain as retention_retain
 from store.retention.compact import CompactReport
 from store.retention.compact import compact as compact_store
 from store.retention.ledger import CaptureLedger
-from store.shipping import identity
 from store.shipping import replica as replication
 from store.shipping.domain import DurabilityDomain
+from store.shipping.methods import LogShipping
 from store.wire.cut_records import GenerationCutPrefixAck, GenerationCutReceipt, capture_key
 from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult, from_json
 
 if TYPE_CHECKING:
     from store.audit import AuditReport
-    from store.shipping import EventOrigin, ShipReport
-    from store.shipping.ship import Bounds
 
 T = TypeVar("T")
 
@@ -99,7 +96,7 @@ class StageResults(list[StageResult]):
     _last_seq: int | None = None
 
 
-class Store(DurabilityDomain):
+class Store(LogShipping, DurabilityDomain):
     """A durable token staging store (use ``open_store``).  Thread-safe; one per process."""
 
     def __init__(
@@ -476,99 +473,6 @@ class Store(DurabilityDomain):
     def workers(self) -> list[worker_log.PolicyWorker]:
         """Every policy worker the coordinator logged, with the calls it staged and those it left in flight."""
         return worker_log.policy_workers(self._engine)
-
-    # --- log shipping (store.shipping) --------------------------------------------------------
-
-    @operation
-    def ship(
-        self,
-        to: Store,
-        *,
-        progress: Callable[[int, int], object] | None = None,
-        limit: int | None = None,
-        deadline: float | None = None,
-    ) -> ShipReport:
-        """Copy this store's events not yet in ``to`` into it, verified, keeping their identity.
-
-        Idempotent and resumable; stops at the first conflict or damaged event and reports it.
-        Goes up to this store's last event when it began (later ones wait for the next ship),
-        at most ``limit`` events, and starts no batch after ``deadline`` seconds: the report's
-        ``remaining`` and ``stopped`` say what is left and why.  ``progress(done, total)`` is
-        called with source events done as batches commit.
-        """
-        from store.shipping.ship import Bounds  # loaded when a ship runs
-
-        limit = arguments.optional_count("limit", limit)
-        ends = arguments.optional_seconds("deadline", deadline)
-        return self._ship(to, progress, Bounds(limit=limit, deadline=None if ends is None else time.monotonic() + ends))
-
-    def follow(
-        self,
-        to: Store,
-        *,
-        stop: threading.Event,
-        interval: float = 0.5,
-        on_round: Callable[[ShipReport], object] | None = None,
-    ) -> ShipReport:
-        """Ship this store into ``to`` until ``stop`` is set: each round ships everything up to
-        this store's last event when the round began, then, caught up, waits ``interval``
-        seconds (or until ``stop``) before the next.  An event committed here reaches ``to``
-        within ``interval`` plus the time to ship what was ahead of it.  Stops at the first
-        problem, or once ``stop`` is set after the batch in flight commits; returns the rounds'
-        totals (``stopped="stopped"`` when asked to stop).  ``on_round(report)`` is called after
-        each round that shipped something.  Each round is an operation of its own, so a fork or
-        ``close()`` happens between rounds (a closed store ends the follow with ``StoreClosedError``)."""
-        from store.shipping.follow import follow as follow_log
-        from store.shipping.ship import Bounds
-
-        if not isinstance(stop, threading.Event):
-            raise InvalidRecordError(f"follow() stop must be a threading.Event, got {type(stop).__name__}")
-        wait = arguments.optional_seconds("interval", interval)
-        assert wait is not None
-        if on_round is not None and not callable(on_round):
-            raise InvalidRecordError(f"follow() on_round must be callable, got {type(on_round).__name__}")
-        return follow_log(lambda: self._ship_round(to, Bounds(stop=stop)), stop, wait, on_round)
-
-    @operation
-    def _ship_round(self, to: Store, bounds: Bounds, start: int | None = None) -> ShipReport:
-        return self._ship(to, None, bounds, start)
-
-    def _ship(
-        self, to: Store, progress: Callable[[int, int], object] | None, bounds: Bounds, start: int | None = None
-    ) -> ShipReport:
-        if not isinstance(to, Store):
-            raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
-        if progress is not None and not callable(progress):
-            raise InvalidRecordError(f"ship() progress must be callable, got {type(progress).__name__}")
-        from store.shipping.ship import ShipTarget, ship_log
-
-        target = ShipTarget(to.url, to._engine, to._known_id, to._write)
-        return ship_log(self._known_id(), self._reader, target, progress, bounds, start)
-
-    @property
-    def store_id(self) -> str:
-        """This store's id (random, made when it was created): the origin of the events it stages."""
-        return self._identity()
-
-    @operation
-    def _identity(self) -> str:
-        return self._known_id()
-
-    def _known_id(self) -> str:
-        """The store id, for code already inside an operation (store.shipping)."""
-        if self._store_id is None:
-            with self._reader.connection("reading the store id") as connection:
-                self._store_id = identity.read_store_id(connection)
-        return self._store_id
-
-    @operation
-    def event_origin(self, seq: int) -> EventOrigin | None:
-        """Event ``seq``'s identity: (store that first staged it, its seq there); None if no such event."""
-        if type(seq) is not int or seq < 1:
-            raise InvalidRecordError(f"event_origin() takes a sequence number (an int >= 1), got {seq!r}")
-        store_id = self._known_id()  # before the connection: a store of one connection has no second
-        with self._reader.connection("reading an event's origin") as connection:
-            return identity.event_origin(connection, store_id, seq)
 
     def _write(self, work: Callable[[WriteTransaction], T], *, durable: bool = True) -> T:
         """The write path for store.shipping (the target of a ship): staging's transaction and checks.
