@@ -17,12 +17,7 @@ from store.append.log import EventLog
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
 from store.append.transaction import WriteTransaction
-from store.errors import (
-    InvalidRecordError,
-    ReadOnlyStoreError,
-    StagingRefusedError,
-    StoreClosedError,
-)
+from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError, StoreClosedError
 from store.lifecycle import CallGate, operation, track_for_fork
 from store.lineage import export, tree, versions
 from store.lineage import linearize as lineage_linearize

@@ -3,6 +3,7 @@ the stage lookups (one stream, many, or a guarded new stream in one statement on
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -146,25 +147,42 @@ class WriteStatements:
         self.update_calls = unnest_update(calls, ("rollout_id", "model_call_id"), engine) if postgres else None
 
     def held_keys(self, count: int) -> Statement:
-        """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record.  Compiled once per
-        count and driver for the process (about 1.4 ms for 64 keys: a store opened per job
-        must not pay it on its first cut)."""
-        dialect = self._engine.dialect
-        cache_key = (dialect.name, dialect.driver, dialect.paramstyle, count)
-        statement = _HELD_KEYS.get(cache_key)
-        if statement is None:
-            keys = schema.staged_keys
-            wanted: list[sa.BindParameter[str]] = [sa.bindparam(f"k{index}", type_=sa.String) for index in range(count)]
-            statement = Statement(sa.select(keys.c.staging_key).where(keys.c.staging_key.in_(wanted)), self._engine)
-            _HELD_KEYS[cache_key] = statement  # the same text whichever thread compiles it first
-        return statement
+        """``held_keys_statement`` on this transaction's engine."""
+        return held_keys_statement(self._engine, count)
 
 
 _HELD_KEYS: dict[tuple[str, str, str, int], Statement] = {}
 
 
+def held_keys_statement(engine: Engine, count: int) -> Statement:
+    """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record, and their event's seq:
+    rows of (staging_key, event_seq).  Compiled once per count and driver for the process
+    (about 1.4 ms for 64 keys: a store opened per job must not pay it on its first cut)."""
+    dialect = engine.dialect
+    cache_key = (dialect.name, dialect.driver, dialect.paramstyle, count)
+    statement = _HELD_KEYS.get(cache_key)
+    if statement is None:
+        keys = schema.staged_keys
+        wanted: list[sa.BindParameter[str]] = [sa.bindparam(f"k{index}", type_=sa.String) for index in range(count)]
+        query = sa.select(keys.c.staging_key, keys.c.event_seq).where(keys.c.staging_key.in_(wanted))
+        statement = _HELD_KEYS[cache_key] = Statement(query, engine)  # the same text whichever thread is first
+    return statement
+
+
+def held_keys_binds(staging_keys: Sequence[str]) -> Iterator[tuple[int, dict[str, str]]]:
+    """``staging_keys`` without repeats, as (count, binds) for ``held_keys_statement``: at most
+    ``KEYS_PER_STATEMENT`` keys a statement, in statements of 1, 2, 4, ... keys (the last key
+    repeated): a call cut again and again names one key more each time, and compiling a
+    statement per count cost ~2 ms a cut."""
+    wanted = list(dict.fromkeys(staging_keys))
+    for start in range(0, len(wanted), KEYS_PER_STATEMENT):
+        part = wanted[start : start + KEYS_PER_STATEMENT]
+        size = 1 << (len(part) - 1).bit_length()
+        yield size, {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
+
+
 KEY_INSERT_COLUMNS = ("staging_key", "event_seq", "rollout_id", "model_call_id", "digest")
-KEYS_PER_STATEMENT = 256  # staging keys one ``missing_keys`` statement asks about
+KEYS_PER_STATEMENT = 256  # staging keys one ``held_keys_statement`` asks about
 
 
 def unnest_insert(table: sa.Table, engine: Engine) -> tuple[str, tuple[str, ...]]:

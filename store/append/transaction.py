@@ -10,7 +10,7 @@ from collections.abc import Container, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, stored_event_row, this_writer
-from store.append.statements import KEY_INSERT_COLUMNS, KEYS_PER_STATEMENT, WriteStatements, new_stream_values
+from store.append.statements import KEY_INSERT_COLUMNS, WriteStatements, held_keys_binds, new_stream_values
 from store.errors import RolloutFencedError
 from store.log.engine import Statement
 from store.log.events import RECORD_KINDS, EventKind, decode_body
@@ -43,8 +43,9 @@ class StageLookup(NamedTuple):
     last_version: int  # the stream's highest stream_version, 0 for a new stream
 
 
-# Inside ``WriteTransaction.bulk``, an insert waiting with at least this many rows goes out as
-# COPY (each COPY waits for the statements sent before it: a round trip of its own).
+# Inside ``WriteTransaction.bulk``, an insert queued before it began, or given to ``run_many``,
+# goes out as COPY from this many rows (each COPY waits for the statements sent before it: a
+# round trip of its own); the calls and keys rows the bulk work itself inserts always do.
 COPY_MIN_ROWS = 16
 
 # A transaction's read-ahead lookups before any: shared, never written (``WriteTransaction``).
@@ -273,16 +274,10 @@ class WriteTransaction:
     def missing_keys(self, staging_keys: Sequence[str]) -> list[str]:
         """The keys of ``staging_keys`` that hold no record, in order (one statement per
         ``KEYS_PER_STATEMENT`` keys, not one per key)."""
-        wanted = list(dict.fromkeys(staging_keys))
         held: set[str] = set()
-        for start in range(0, len(wanted), KEYS_PER_STATEMENT):
-            part = wanted[start : start + KEYS_PER_STATEMENT]
-            # Asked in statements of 1, 2, 4, ... keys (the last key repeated): a call cut again and
-            # again names one key more each time, and compiling a statement per count cost ~2 ms a cut.
-            size = 1 << (len(part) - 1).bit_length()
-            values = {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
+        for size, values in held_keys_binds(staging_keys):
             held.update(row[0] for row in self._execute(self._sql.held_keys(size), values).fetchall())
-        return [key for key in wanted if key not in held]
+        return [key for key in dict.fromkeys(staging_keys) if key not in held]
 
     def call(self, rollout_id: str, model_call_id: str) -> CallState | None:
         row = self._execute(

@@ -22,11 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import sqlalchemy as sa
-
+from store.append.statements import held_keys_binds, held_keys_statement
 from store.errors import ConfigurationError, StoreClosedError, StoreError
-from store.log import schema
-from store.log.engine import Statement
 from store.queries.reads import Reader
 from store.shipping.receive import ResumePointMoved
 from store.shipping.source import last_seq
@@ -314,42 +311,18 @@ def start(store: SourceStore, options: DomainOptions, open_store: Callable[[str]
     return replicator
 
 
-# Staging keys one ``key_seqs`` statement asks about, at most; statements of 1, 2, 4, ... keys
-# (the last key repeated), each compiled once per dialect for the process: a store opened per
-# job (a fresh engine, whose own statement cache starts empty) must not compile one per cut.
-KEYS_PER_READ = 256
-_KEY_SEQS: dict[tuple[str, str, str, int], Statement] = {}
-
-
 def key_seqs(reader: Reader, keys: Sequence[str]) -> dict[str, int]:
     """The source seq of each live key's event (a key that holds nothing is left out)."""
-    wanted = list(dict.fromkeys(keys))
     found: dict[str, int] = {}
-    if not wanted:
+    if not keys:
         return found
-    engine = reader.engine
     with reader.connection("reading the seqs of staged keys") as connection:
-        for begin in range(0, len(wanted), KEYS_PER_READ):
-            part = wanted[begin : begin + KEYS_PER_READ]
-            size = 1 << (len(part) - 1).bit_length()
-            statement = _key_seqs_statement(engine, size)
-            values = {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
+        for size, values in held_keys_binds(keys):
+            statement = held_keys_statement(reader.engine, size)
             rows = connection.exec_driver_sql(statement.sql, statement.params(values))
             found.update((str(key), int(seq)) for key, seq in rows)
         connection.rollback()
     return found
-
-
-def _key_seqs_statement(engine: sa.Engine, size: int) -> Statement:
-    dialect = engine.dialect
-    cache_key = (dialect.name, dialect.driver, dialect.paramstyle, size)
-    statement = _KEY_SEQS.get(cache_key)
-    if statement is None:
-        staged = schema.staged_keys
-        names = [sa.bindparam(f"k{index}", type_=sa.String) for index in range(size)]
-        query = sa.select(staged.c.staging_key, staged.c.event_seq).where(staged.c.staging_key.in_(names))
-        statement = _KEY_SEQS[cache_key] = Statement(query, engine)  # the same text whichever thread is first
-    return statement
 
 
 def head(reader: Reader) -> int:
