@@ -13,6 +13,7 @@ SIGCONT them all (a server that stops answering while its kernel still acknowled
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import pwd
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import IO
 
 import psycopg
 
@@ -92,15 +94,26 @@ def make_template(folder: Path) -> Path:
     return data
 
 
-def free_port(ports: range) -> int:
+def reserve_port(ports: range) -> tuple[int, IO[bytes]]:
+    """A free port and the open lock file that reserves it for tests of every process until it
+    is closed.  Binding alone is not enough: two clusters made at once (xdist workers) both see
+    the port free before either server listens, and the second's ``wait_ready`` then found the
+    first's server answering and took it for its own."""
     for port in ports:
+        lock = open(os.path.join(tempfile.gettempdir(), f"store-pg-port-{port}.lock"), "ab")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
+                lock.close()
                 continue
-            return port
+        return port, lock
     raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
@@ -125,7 +138,7 @@ class Cluster:
         shutil.copytree(template, self.data, symlinks=True)
         os.chmod(self.data, 0o700)
         _give_to_server_user(self.folder)
-        self.port = free_port(PORTS)
+        self.port, self._port_lock = reserve_port(PORTS)  # held until ``remove``
         self.settings = {**BASE_SETTINGS, **(settings or {})}
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -155,7 +168,9 @@ class Cluster:
         while True:
             try:
                 with psycopg.connect(self.conninfo(), connect_timeout=2) as connection:
-                    connection.execute("SELECT 1")
+                    [[folder]] = connection.execute("SHOW data_directory").fetchall()
+                if os.path.realpath(str(folder)) != os.path.realpath(self.data):
+                    raise RuntimeError(f"port {self.port} is answered by another server ({folder}), not this cluster's")
                 return
             except psycopg.OperationalError:
                 if time.monotonic() > deadline or (self._process is not None and self._process.poll() is not None):
@@ -232,6 +247,7 @@ class Cluster:
         self.resume()
         self.kill()
         shutil.rmtree(self.folder, ignore_errors=True)
+        self._port_lock.close()
 
     def execute(self, sql: str, database: str = "postgres") -> list[tuple[object, ...]]:
         with psycopg.connect(self.conninfo(database), autocommit=True, connect_timeout=5) as connection:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pg_cluster import _give_to_server_user, _server_user, free_port
+from pg_cluster import _give_to_server_user, _server_user, reserve_port
 
 PORTS = range(6430, 6440)
 
@@ -35,7 +35,7 @@ class Bouncer:
     def __init__(self, server_port: int, pool_mode: str, pool_size: int = 2, max_clients: int = 2000) -> None:
         self.pool_mode = pool_mode
         self.folder = Path(tempfile.mkdtemp(prefix="store-pgbouncer-"))
-        self.port = free_port(PORTS)
+        self.port, self._port_lock = reserve_port(PORTS)  # held until ``stop``
         (self.folder / "users.txt").write_text('"postgres" ""\n')
         (self.folder / "pgbouncer.ini").write_text(
             "[databases]\n"
@@ -95,6 +95,7 @@ class Bouncer:
                 self._process.kill()
                 self._process.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+        self._port_lock.close()
 
 
 @contextlib.contextmanager

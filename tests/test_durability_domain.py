@@ -243,10 +243,10 @@ def test_a_forked_child_replicates_on_its_own(tmp_path: Path) -> None:
 def test_a_replica_down_from_the_start_opens_and_says_so(tmp_path: Path) -> None:
     """Nothing listens on the replica's port: the worker opens all the same, its cuts say
     durable_failure, and a stage_all of terminal records under replicate_terminal raises, kept here."""
-    port = pg_cluster.free_port(pg_cluster.PORTS)  # free: nothing listens there
+    port, reserved = pg_cluster.reserve_port(pg_cluster.PORTS)  # nothing listens there, and no cluster will
     url = f"postgresql://postgres@127.0.0.1:{port}/postgres?connect_timeout=1"
     options = {"replica": url, "domain": "replicated", "replicate_terminal": True, "replica_wait": 0.3}
-    with open_store(tmp_path / "w.db", **options) as worker:  # type: ignore[arg-type]
+    with reserved, open_store(tmp_path / "w.db", **options) as worker:  # type: ignore[arg-type]
         entry = StageEntry(make_record(rollout_id="t0", model_call_id="c0"))
         with pytest.raises(ReplicaUnavailableError) as raised:
             worker.stage_all([entry])
