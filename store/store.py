@@ -83,7 +83,7 @@ class StageEntry:
 class StageResults(list[StageResult]):
     """``stage_all``'s results, one per entry in order.  ``receipt_recorded``: whether the cut
     receipt given was recorded by this call (False: that inventory's receipt was in the log
-    already and stands; None: no receipt was given)."""
+    already and stands, and nothing was written: no results; None: no receipt was given)."""
 
     receipt_recorded: bool | None = None
     # The seq of the last event this call appended (None: none), for the replicated domain's
@@ -251,7 +251,9 @@ class Store(LogShipping, DurabilityDomain):
         Raises ``StagingRefusedError`` (nothing written) if any key holds a different record, or
         if a key of ``acknowledged`` (the keys a cut receipt acknowledges) holds no record once
         the entries are staged: a receipt never names a key that does not fetch.  Used by
-        generation cuts, whose acknowledgements must all hold before any is sealed.
+        generation cuts, whose acknowledgements must all hold before any is sealed.  When a
+        receipt of the same inventory is in the log already, it stands and nothing is written
+        (``receipt_recorded`` False, no results).
         """
         required = arguments.texts("acknowledged", acknowledged)
         events = [
@@ -269,6 +271,14 @@ class Store(LogShipping, DurabilityDomain):
 
         def work(tx: WriteTransaction) -> StageResults:
             results = StageResults()
+            if receipt_event is not None:
+                body = receipt_event.body
+                assert isinstance(body, CutReceiptBody)
+                if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is not None:
+                    # That inventory was served already: its receipt stands, and this serve's
+                    # records (which no stored receipt acknowledges) are not written.
+                    results.receipt_recorded = False
+                    return results
             before = tx.appended  # (a transaction shared with other callers: theirs came first)
             for event, entry in zip(events, entries, strict=True):
                 result = stage_event(tx, event, entry.record.digest)
@@ -282,17 +292,14 @@ class Store(LogShipping, DurabilityDomain):
                     "nothing was written"
                 )
             if receipt_event is not None:
-                body = receipt_event.body
-                assert isinstance(body, CutReceiptBody)
-                results.receipt_recorded = tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None
-                if results.receipt_recorded:
-                    tx.append(receipt_event)
+                results.receipt_recorded = True
+                tx.append(receipt_event)
             if tx.appended > before:
                 results._last_seq = tx.last_seq
             return results
 
         results = self._log.write(work)
-        if self._domain.replicate_terminal:
+        if self._domain.replicate_terminal and results.receipt_recorded is not False:
             terminal = [
                 result for result, event in zip(results, events, strict=True) if event.kind is EventKind.CALL_COMPLETED
             ]

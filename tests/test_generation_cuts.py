@@ -466,9 +466,44 @@ def test_a_receipt_recorded_first_by_another_serve_stands(
         return real_stage_all(*args, **kwargs)
 
     monkeypatch.setattr(store, "stage_all", raced_stage_all)
+    before = event_count(store)
     answer = capture.serve_generation_cut(sent)
     assert lib.to_json(answer) == lib.to_json(theirs)
     assert store.cut_receipt(sent.checkpoint_id, sent.inventory_digest) == lib.to_json(theirs)
+    assert event_count(store) == before + 1  # theirs: this serve's chunk, acknowledged by no receipt, is not written
+    monkeypatch.undo()
+    coords = capture.complete_observed(call)  # its tokens stayed buffered
+    assert coords.disposition == "staged" and coords.delta_len == 4  # prompt [10, 11] and [12, 13]
+
+
+def test_serving_an_inventory_again_returns_its_receipt_and_leaves_new_tokens_buffered(rollout: Rollout) -> None:
+    """The replay is found inside the cut's own transaction: the tokens observed since the first
+    serve are neither staged nor lost, and the next cut acknowledges them all."""
+    store, capture = rollout.store, rollout.capture
+    call = rollout.live_call()
+    capture.observe(call, [30, 31], [-0.5, -0.75])
+    first = capture.serve_generation_cut(inventory("checkpoint-1"))
+    capture.observe(call, [32], [-0.125])
+    with writes_nothing(store):
+        assert capture.serve_generation_cut(inventory("checkpoint-1")) == first
+    ack = only_ack(capture.serve_generation_cut(inventory("checkpoint-2")))
+    assert ack.prefix_token_count == 3
+    assert ack.frozen_buffer_id == "active/checkpoint-2/1"  # the replay's frozen buffer was given back
+    assert list(fetch_one(store, ack.staging_keys[-1]).token_ids_delta) == [32]
+
+
+def test_an_inventory_served_before_returns_its_receipt_even_when_the_call_now_fails_a_cut(
+    rollout: Rollout,
+) -> None:
+    store, capture = rollout.store, rollout.capture
+    call = rollout.live_call()
+    capture.observe(call, [30], [-0.5])
+    first = capture.serve_generation_cut(inventory("checkpoint-1"))
+    capture.observe(call, [31, 32], [-0.5])  # unaligned: every later cut of the call is refused
+    with writes_nothing(store):
+        assert capture.serve_generation_cut(inventory("checkpoint-1")) == first
+        with pytest.raises(GenerationCutError, match="unaligned"):
+            capture.serve_generation_cut(inventory("checkpoint-2"))
 
 
 def test_generation_cut_swaps_buffer_before_blocking_prefix_write(
@@ -631,6 +666,11 @@ def test_track_refuses_bad_limits_and_completed_calls(rollout: Rollout) -> None:
         pytest.param([([30], [-0.5], "abort")], id="unsupported-finish"),
         pytest.param([([30], [-0.5], "stop"), ([31], [-0.5], "length")], id="conflicting-finish"),
         pytest.param([([-30], [-0.5], None)], id="negative-id"),
+        # One token, the decode loop's shape: a bad log-prob, or an id past u64 after a good
+        # log-prob, leaves no half-appended token behind.
+        pytest.param([([30], [None], None)], id="unreadable-logprob"),
+        pytest.param([([2**64], [-0.5], None)], id="id-past-u64"),
+        pytest.param([([30], [-0.5], None)] * 10, id="past-the-limit"),
     ],
 )
 def test_capture_observer_rejects_unaligned_delta_output(
@@ -642,6 +682,10 @@ def test_capture_observer_rejects_unaligned_delta_output(
     capture.observe(call, [29], [-0.25])
     for ids, logprobs, finish in observations:
         capture.observe(call, ids, logprobs, finish_reason=finish)
+    live = capture.cuts.live(call)
+    assert live is not None and live.observation_error is not None
+    observed_ids, observed_logprobs = live.observed()
+    assert len(observed_ids) == len(observed_logprobs) <= 10  # aligned, and never past the limit
     with writes_nothing(store):
         assert capture.flush_due() == 0  # a call with an observation error is never flushed
         with pytest.raises(GenerationCutError):

@@ -91,6 +91,8 @@ class LiveCall:
         self.own_keys: list[str] = []
         self.acknowledged: set[str] = set()
         self.restored_count = continuation.generation_token_count if continuation else 0
+        # Restored, sealed, frozen and active tokens: what the output limit bounds.
+        self.observed_count = self.restored_count
         # A restored cut that had finished is the whole answer (5.8): the call finished that way.
         self.finish_reason: str | None = continuation.terminal_finish_reason if continuation else None
         self.stop_reason: str | int | None = continuation.terminal_stop_reason if continuation else None
@@ -105,6 +107,26 @@ class LiveCall:
     def observe(
         self, ids: Sequence[int], logprobs: Sequence[float], finish: str | None, stop: str | int | None
     ) -> None:
+        # The decode loop's call, once a token: its common shape (one token, no finish reason)
+        # touches as little as it can, as the engine's own work has the caches between calls.
+        if finish is None and len(ids) == 1 and len(logprobs) == 1:
+            with self.data:
+                if self.terminal:
+                    return
+                limit = self.effective_output_limit
+                if limit is not None and self.observed_count + 1 > limit:
+                    self._past_limit(self.observed_count + 1, limit)
+                    return
+                logprobs_before = len(self.active_logprobs)
+                try:  # array.append takes what array() would: an int id, a float(-able) log-prob
+                    self.active_logprobs.append(logprobs[0])
+                    self.active_ids.append(ids[0])
+                except (TypeError, OverflowError, ValueError) as exc:
+                    del self.active_logprobs[logprobs_before:]
+                    self.observation_error = f"unreadable engine output: {exc}"
+                    return
+                self.observed_count += 1
+            return
         with self.data:
             if self.terminal:
                 return
@@ -124,19 +146,21 @@ class LiveCall:
                 self.observation_error = f"unreadable engine output: {exc}"
                 return
             limit = self.effective_output_limit
-            if limit is not None:
-                total = self.restored_count + len(self.sealed_ids) + len(self.active_ids) + len(new_ids)
-                total += len(self.frozen.ids) if self.frozen is not None else 0
-                if total > limit:
-                    self.observation_error = (
-                        f"{total} generated tokens observed, past the call's output limit {limit} "
-                        "(track() was given the call's whole limit; the engine must stop at it)"
-                    )
-                    return
+            total = self.observed_count + len(new_ids)
+            if limit is not None and total > limit:
+                self._past_limit(total, limit)
+                return
             self.active_ids.extend(new_ids)
             self.active_logprobs.extend(new_logprobs)
+            self.observed_count = total
             if finish is not None:
                 self.finish_reason, self.stop_reason = finish, stop
+
+    def _past_limit(self, total: int, limit: int) -> None:
+        self.observation_error = (
+            f"{total} generated tokens observed, past the call's output limit {limit} "
+            "(track() was given the call's whole limit; the engine must stop at it)"
+        )
 
     def observed(self) -> tuple[TokenIds, FloatColumn]:
         """Every token observed since ``track`` (sealed, frozen, active; not the restored prefix)."""
@@ -190,6 +214,7 @@ class LiveCall:
             self.frozen.ids.extend(self.active_ids)
             self.frozen.logprobs.extend(self.active_logprobs)
             self.active_ids, self.active_logprobs = self.frozen.ids, self.frozen.logprobs
+            self.buffer_sequence = self.frozen.sequence  # the buffer was given back: its number is free
             self.frozen = None
 
 
@@ -324,7 +349,12 @@ class CutServer:
         finish: str | None,
         stop: str | int | None,
     ) -> None:
-        live = self.live(call)
+        if _forks != self._forks:
+            self.check_process()
+        # One dict read is atomic: the registry lock guards its updates, not this (hot) read.
+        live = self._calls.get((call.capture_key, call.model_call_id))
+        if live is not None and live.call is not call:
+            live = None
         if live is None:
             if call.completed:
                 return  # tokens that raced the call's completion change nothing
@@ -381,11 +411,14 @@ class CutServer:
         self.check_process()
         if not isinstance(inventory, GenerationCutInventory):
             raise CaptureError(f"serve_generation_cut needs a GenerationCutInventory, got {type(inventory).__name__}")
-        cached = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
-        if cached is not None:
-            return from_json(cached, GenerationCutReceipt)
         wait = self._store.replica_wait  # None: the local domain
         replica_deadline = None if wait is None else time.monotonic() + wait
+        if replica_deadline is not None:
+            # The replicated domain commits chunks before its receipt: look for a receipt of
+            # this inventory first.  (The local domain's one transaction does that itself.)
+            cached = self._stored_receipt(inventory)
+            if cached is not None:
+                return cached
         calls = [(prefix.capture_key, prefix.model_call_id) for prefix in inventory.active_prefixes]
         if len(set(calls)) != len(calls):
             raise GenerationCutError("the inventory names a model call more than once")
@@ -445,10 +478,23 @@ class CutServer:
         except Exception as exc:
             for live in locked:
                 live.rollback()
+            try:
+                cached = self._stored_receipt(inventory)
+            except StoreError:
+                cached = None  # the error this serve met is the answer
+            if cached is not None:
+                return cached  # served before: its receipt stands, whatever this serve met
             if isinstance(exc, GenerationCutError):
                 raise
             raise GenerationCutError(f"serving cut {inventory.checkpoint_id} failed: {exc}") from exc
         else:
+            if staged.receipt_recorded is False:
+                # Served before (by this process or another on the same store): nothing was
+                # written, and the buffers go back as they were (``finally``).
+                stored = self._stored_receipt(inventory)
+                if stored is None:  # only retention could remove it in between
+                    raise GenerationCutError(f"the stored receipt of cut {inventory.checkpoint_id} vanished")
+                return stored
             durable = {ack.ticket_id for ack in acks if ack.disposition == "durable_prefix"}
             for plan in plans:
                 if not plan.sealed:
@@ -468,12 +514,11 @@ class CutServer:
                 self._store._replicated_through(receipt_seq, left)  # the receipt is the cut's last event
             elif left > 0:
                 self._store.replicate(wait=left)
-        if getattr(staged, "receipt_recorded", None) is True:
-            return receipt  # ours is the one in the log: no need to read it back
-        # Another serve of this inventory (another process on the same store) recorded its
-        # receipt first: that one stands.
+        return receipt  # ours is the one in the log: no need to read it back
+
+    def _stored_receipt(self, inventory: GenerationCutInventory) -> GenerationCutReceipt | None:
         stored = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
-        return from_json(stored, GenerationCutReceipt) if stored is not None else receipt
+        return None if stored is None else from_json(stored, GenerationCutReceipt)
 
     def _replicated(
         self, plans: list[_CutPlan], acks: list[GenerationCutPrefixAck], deadline: float
