@@ -49,6 +49,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import ClassVar
 
 import pytest
@@ -84,6 +85,7 @@ from store import (
     UnknownKeyError,
     WorkerClient,
     capture_key,
+    generate,
     open_store,
     to_json,
 )
@@ -241,6 +243,55 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
     def observe(self, data: st.DataObject, tokens: list[int]) -> None:
         self.steps["observe"] += 1
         self._decode(self._pick(data), tokens)
+
+    @precondition(has_live)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=5), cut_at=st.integers(0, 5))
+    def generate_with_a_cut_inside_a_step(self, data: st.DataObject, tokens: list[int], cut_at: int) -> None:
+        """``generate`` decodes with an engine whose tokens the capture pulls; a cut of the same
+        call is served from another thread while the engine is inside a step (its token in its
+        lists, not yet returned to the loop)."""
+        self.steps["generate"] += 1
+        model = self._pick(data)
+        tokens = tokens[: OUTPUT_LIMIT - len(model.restored) - len(model.generated) - 1]  # not to the limit
+        if not tokens:
+            return
+        machine, base = self, list(model.generated)
+        failures: list[BaseException] = []
+
+        def cut() -> None:
+            try:
+                inventory = machine._inventory([model.key], False, reverse=False)
+                receipt = machine.capture.serve_generation_cut(inventory)
+                machine._note_receipt(inventory, receipt)
+                machine.check_terminal_acks(receipt)
+            except BaseException as exc:  # reported on the machine's thread
+                failures.append(exc)
+
+        class Engine:
+            stop_token_ids = ()
+
+            def __init__(self) -> None:
+                self.generated_token_ids: list[int] = []
+                self.generated_logprobs: list[float] = []
+
+            def prefill(self, prompt_token_ids: Sequence[int]) -> None:
+                self.generated_token_ids, self.generated_logprobs = [], []
+
+            def step(self) -> tuple[int, float]:
+                token = tokens[len(self.generated_token_ids)]
+                self.generated_token_ids.append(token)
+                self.generated_logprobs.append(-(token % 7) / 4)
+                model.generated = [*base, *self.generated_token_ids]
+                if len(self.generated_token_ids) == cut_at + 1:
+                    thread = threading.Thread(target=cut, daemon=True)
+                    thread.start()
+                    thread.join(JOIN_SECONDS)
+                    assert not thread.is_alive(), "a cut inside the engine's step deadlocked"
+                return token, self.generated_logprobs[-1]
+
+        assert generate(self.capture, model.call, Engine(), max_tokens=len(tokens)) is None
+        if failures:
+            raise failures[0]
 
     def _decode(self, model: LiveModel, tokens: list[int]) -> None:
         room = OUTPUT_LIMIT - len(model.restored) - len(model.generated)

@@ -8,6 +8,7 @@ the replacement continues it as attempt 1 at version 5 and completes it from wha
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -552,3 +553,121 @@ def test_the_engine_loop_stops_at_a_stop_token_or_the_limit_and_continues_a_cut(
     assert engine.generated_token_ids == [13, 14]  # the limit of 5, less the 3 restored
     assert rollout.store.completion("r-a1", "c3").finish_reason == "length"  # type: ignore[union-attr]
     assert rollout.store.audit().ok
+
+
+class CutInsideStep(Scripted):
+    """Serves a cut from another thread inside ``step``, once the token is in its lists but before
+    ``generate`` has it back: the moment a cut races the decode loop."""
+
+    def __init__(
+        self, capture: RolloutTokenCapture, call: ActiveCall, tokens: list[int], stop: tuple[int, ...]
+    ) -> None:
+        super().__init__(tokens, stop)
+        self.capture, self.call = capture, call
+        self.acks: list[GenerationCutPrefixAck] = []
+
+    def step(self) -> tuple[int, float]:
+        answer = super().step()
+        thread = threading.Thread(
+            target=lambda: self.acks.append(cut(self.capture, f"ck-{len(self._ids)}", ticket(self.call)))
+        )
+        thread.start()
+        thread.join(30)
+        return answer
+
+
+def test_a_cut_while_generate_decodes_holds_every_token_but_a_stop_token_without_its_finish(rollout: Rollout) -> None:
+    from store import generate
+
+    capture = rollout.capture
+    call = capture.begin_call(rollout.admission(2))
+    capture.track(call, prompt_token_ids=[*rollout.history, *user(2)], effective_output_limit=LIMIT)
+    engine = CutInsideStep(capture, call, [5, 6, 2, 7], stop=(2,))
+    assert generate(capture, call, engine) == "stop"
+    # Each cut holds what was decoded up to it; the one inside the stop token's step does not
+    # hold the stop token, which only comes with its finish reason.
+    assert [ack.prefix_token_count for ack in engine.acks] == [1, 2, 2]
+    assert all(ack.terminal_finish_reason is None for ack in engine.acks)
+    last = cut(capture, "after", ticket(call))
+    assert last.prefix_token_count == 3 and last.terminal_finish_reason == "stop"
+    coords = capture.complete_observed(call)
+    assert coords.delta_len == len(user(2)) + 3
+    assert rollout.store.audit().ok
+
+
+def test_generate_observes_what_the_engine_decoded_before_it_failed(rollout: Rollout) -> None:
+    from store import generate
+
+    capture = rollout.capture
+    call = capture.begin_call(rollout.admission(2))
+    capture.track(call, prompt_token_ids=[*rollout.history, *user(2)], effective_output_limit=LIMIT)
+    with pytest.raises(IndexError):  # the scripted engine runs out of tokens at the third step
+        generate(capture, call, Scripted([5, 6]))
+    assert cut(capture, "ck", ticket(call)).prefix_token_count == 2
+    # The call is detached again: observe() takes the rest of its tokens.
+    capture.observe(call, [7], [-0.5], finish_reason="length")
+    assert capture.complete_observed(call).delta_len == len(user(2)) + 3
+
+
+def test_observe_refuses_a_call_generate_is_decoding_and_generate_an_untracked_call(rollout: Rollout) -> None:
+    from store import generate
+
+    capture = rollout.capture
+    call = capture.begin_call(rollout.admission(2))
+    capture.track(call, prompt_token_ids=[*rollout.history, *user(2)], effective_output_limit=LIMIT)
+    refused: list[CaptureError] = []
+
+    def observe_too(token: int, logprob: float) -> None:
+        try:
+            capture.observe(call, [token], [logprob])
+        except CaptureError as exc:
+            refused.append(exc)
+
+    assert generate(capture, call, Scripted([5, 6, 7]), max_tokens=2, on_token=observe_too) is None
+    assert len(refused) == 2 and "being decoded by generate()" in str(refused[0])
+    assert cut(capture, "ck", ticket(call)).prefix_token_count == 2  # each token once
+    untracked = capture.begin_call(rollout.admission(3))
+    with pytest.raises(CaptureError, match="not tracked"):
+        generate(capture, untracked, Scripted([5]))
+
+
+class Unaligned(Scripted):
+    @property
+    def generated_logprobs(self) -> list[float]:
+        return [-0.5] * max(0, len(self._ids) - 1)
+
+
+class LogprobLate(CutInsideStep):
+    """Its log-prob of the newest token lands after its id; a cut comes in between."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._logprobs: list[float] = []
+
+    @property
+    def generated_logprobs(self) -> list[float]:
+        return self._logprobs
+
+    def step(self) -> tuple[int, float]:
+        answer = super().step()  # the id is in, the cut was served
+        self._logprobs.append(answer[1])
+        return answer
+
+
+def test_a_cut_takes_only_tokens_whose_log_probs_are_there_and_detach_checks_the_engine(rollout: Rollout) -> None:
+    from store import generate
+
+    capture = rollout.capture
+    call = capture.begin_call(rollout.admission(2))
+    capture.track(call, prompt_token_ids=[*rollout.history, *user(2)], effective_output_limit=LIMIT)
+    engine = LogprobLate(capture, call, [5, 6, 7], stop=())
+    assert generate(capture, call, engine, max_tokens=3) is None
+    assert engine.acks[0].disposition == "durable_failure"  # nothing with its log-prob yet
+    assert [ack.prefix_token_count for ack in engine.acks[1:]] == [1, 2]
+    assert cut(capture, "after", ticket(call)).prefix_token_count == 3
+    # An engine whose lists end unaligned breaks the protocol: the call's cuts are refused.
+    broken = capture.begin_call(rollout.admission(3))
+    capture.track(broken, prompt_token_ids=[*rollout.history, *user(3)], effective_output_limit=LIMIT)
+    generate(capture, broken, Unaligned([5, 6]), max_tokens=2)
+    with pytest.raises(GenerationCutError, match="differ in length"):
+        cut(capture, "ck-broken", ticket(broken))

@@ -98,6 +98,9 @@ class LiveCall:
         self.stop_reason: str | int | None = continuation.terminal_stop_reason if continuation else None
         self.observation_error: str | None = None
         self.terminal = False
+        self.source: Any = None  # the LiveEngine generate() decodes this call with (``attach``)
+        self.source_stops: frozenset[int] = frozenset()
+        self.pulled = 0  # how many of its generated tokens are in the buffers
 
     @property
     def carry(self) -> int:
@@ -111,6 +114,8 @@ class LiveCall:
         # touches as little as it can, as the engine's own work has the caches between calls.
         if finish is None and len(ids) == 1 and len(logprobs) == 1:
             with self.data:
+                if self.source is not None:
+                    self._attached_error()
                 if self.terminal:
                     return
                 limit = self.effective_output_limit
@@ -128,33 +133,92 @@ class LiveCall:
                 self.observed_count += 1
             return
         with self.data:
-            if self.terminal:
-                return
-            if len(ids) != len(logprobs):
-                self.observation_error = "unaligned delta output: token ids and log-probs differ in length"
-                return
-            if finish is not None and finish not in ("stop", "length"):
-                self.observation_error = f"unsupported finish reason {finish!r}"
-                return
-            if finish is not None and self.finish_reason is not None and finish != self.finish_reason:
-                self.observation_error = f"conflicting finish reasons {self.finish_reason!r} and {finish!r}"
-                return
-            try:
-                new_ids = array.array("Q", ids)
-                new_logprobs = array.array("d", logprobs)
-            except (TypeError, OverflowError, ValueError) as exc:
-                self.observation_error = f"unreadable engine output: {exc}"
-                return
-            limit = self.effective_output_limit
-            total = self.observed_count + len(new_ids)
-            if limit is not None and total > limit:
-                self._past_limit(total, limit)
-                return
-            self.active_ids.extend(new_ids)
-            self.active_logprobs.extend(new_logprobs)
-            self.observed_count = total
+            if self.source is not None:
+                self._attached_error()
+            self._append(ids, logprobs, finish, stop)
+
+    def _append(
+        self, ids: Sequence[int], logprobs: Sequence[float], finish: str | None, stop: str | int | None
+    ) -> None:
+        """Observed tokens into the active buffer, or the observation error they are (``data`` held)."""
+        if self.terminal:
+            return
+        if len(ids) != len(logprobs):
+            self.observation_error = "unaligned delta output: token ids and log-probs differ in length"
+            return
+        if finish is not None and finish not in ("stop", "length"):
+            self.observation_error = f"unsupported finish reason {finish!r}"
+            return
+        if finish is not None and self.finish_reason is not None and finish != self.finish_reason:
+            self.observation_error = f"conflicting finish reasons {self.finish_reason!r} and {finish!r}"
+            return
+        try:
+            new_ids = array.array("Q", ids)
+            new_logprobs = array.array("d", logprobs)
+        except (TypeError, OverflowError, ValueError) as exc:
+            self.observation_error = f"unreadable engine output: {exc}"
+            return
+        limit = self.effective_output_limit
+        total = self.observed_count + len(new_ids)
+        if limit is not None and total > limit:
+            self._past_limit(total, limit)
+            return
+        self.active_ids.extend(new_ids)
+        self.active_logprobs.extend(new_logprobs)
+        self.observed_count = total
+        if finish is not None:
+            self.finish_reason, self.stop_reason = finish, stop
+
+    # an engine generate() decodes with: its tokens are pulled, not pushed a token at a time ----
+
+    def attach(self, engine: Any) -> None:
+        """From now on the tokens ``engine`` decodes (past those it holds now) are this call's,
+        read from its ``generated_token_ids``/``generated_logprobs`` whenever the buffers are."""
+        with self.data:
+            if self.source is not None:
+                raise CaptureError(f"{self.call} is being decoded by generate() already")
+            self.source = engine
+            self.source_stops = frozenset(engine.stop_token_ids)
+            self.pulled = min(len(engine.generated_token_ids), len(engine.generated_logprobs))
+
+    def detach(self, finish: str | None) -> None:
+        """Every token the engine decoded is observed, with ``finish`` (one step: a cut never
+        sees a stop token without its finish reason)."""
+        with self.data:
+            self._pull(through_stop=True)
+            engine, self.source = self.source, None
+            if self.observation_error is None and len(engine.generated_token_ids) != len(engine.generated_logprobs):
+                self.observation_error = (
+                    "unaligned engine output: its generated_token_ids and generated_logprobs differ in length"
+                )
             if finish is not None:
-                self.finish_reason, self.stop_reason = finish, stop
+                self._append((), (), finish, None)
+
+    def _pull(self, through_stop: bool = False) -> None:
+        """The engine's tokens not yet in the buffers (``data`` held).  A stop token waits for
+        ``detach``, which records it with its finish reason."""
+        engine = self.source
+        if engine is None or self.terminal or self.observation_error is not None:
+            return
+        ids, logprobs = engine.generated_token_ids, engine.generated_logprobs
+        count = min(len(ids), len(logprobs))  # the engine appends an id, then its log-prob
+        if count <= self.pulled:
+            return
+        new_ids = ids[self.pulled : count]
+        if not through_stop and self.source_stops:
+            for index, token in enumerate(new_ids):
+                if token in self.source_stops:
+                    count = self.pulled + index
+                    new_ids = new_ids[:index]
+                    break
+        self._append(new_ids, logprobs[self.pulled : count], None, None)
+        self.pulled = count
+
+    def _attached_error(self) -> None:
+        raise CaptureError(
+            f"{self.call} is being decoded by generate(), which observes its engine's tokens itself; "
+            "observe() it once generate() returns"
+        )
 
     def _past_limit(self, total: int, limit: int) -> None:
         self.observation_error = (
@@ -165,6 +229,7 @@ class LiveCall:
     def observed(self) -> tuple[TokenIds, FloatColumn]:
         """Every token observed since ``track`` (sealed, frozen, active; not the restored prefix)."""
         with self.data:
+            self._pull()
             parts = [self.sealed_ids, *([self.frozen.ids] if self.frozen is not None else []), self.active_ids]
             lp_parts = [
                 self.sealed_logprobs,
@@ -177,10 +242,12 @@ class LiveCall:
 
     def unstaged(self) -> int:
         with self.data:
+            self._pull()
             return len(self.active_ids)
 
     def freeze(self, owner: str) -> _Frozen:
         with self.data:
+            self._pull()
             if self.frozen is not None:
                 raise GenerationCutError(f"a buffer of this call is already frozen by {self.frozen.owner}")
             self.frozen = _Frozen(owner, self.buffer_sequence, self.active_ids, self.active_logprobs)
@@ -365,6 +432,14 @@ class CutServer:
                 )
             raise CaptureError(f"{call} is not tracked; call track() before observe()")
         live.observe(ids, logprobs, finish, stop)
+
+    def attach(self, call: ActiveCall, engine: Any) -> LiveCall:
+        """``generate``: the tracked call's tokens come from ``engine`` until ``detach``."""
+        live = self.live(call)
+        if live is None:
+            raise CaptureError(f"{call} is not tracked; call track() before generate()")
+        live.attach(engine)
+        return live
 
     @contextmanager
     def terminal_gate(self, call: ActiveCall) -> Iterator[TerminalGate]:

@@ -2,9 +2,10 @@
 
 ``LiveEngine`` is what a worker's engine offers: ``prefill`` a prompt, ``step`` one token at a
 time (its id and the natural-log probability the engine sampled it with), and the tokens and
-log-probs generated since the prefill.  ``generate`` decodes a tracked call with it, observing
-every token as it comes (so a cut served from another thread at any moment holds everything
-decoded so far), within the call's output limit; ``decode`` prefills, generates to the end and
+log-probs generated since the prefill.  ``generate`` decodes a tracked call with it within the
+call's output limit, making no store call a token: a cut served from another thread (or a
+flush, or the completion) reads the engine's tokens itself, so it holds everything decoded so
+far; ``decode`` prefills, generates to the end and
 completes the call from what was observed.  A continued call is decoded the same way: its
 tracked prompt is the continuation's engine prompt (prefix + restored tokens), so the engine
 re-prefills it and decodes only the rest.
@@ -45,12 +46,13 @@ class LiveEngine(Protocol):
 
     @property
     def generated_token_ids(self) -> Sequence[int]:
-        """Tokens decoded since the last ``prefill``."""
+        """Tokens decoded since the last ``prefill``: only growing during a call, and read by
+        the capture from another thread while ``step`` runs (a list appended to will do)."""
         ...
 
     @property
     def generated_logprobs(self) -> Sequence[float]:
-        """Their log-probs, aligned with ``generated_token_ids``."""
+        """Their log-probs, aligned with ``generated_token_ids`` (each appended with or after its id)."""
         ...
 
 
@@ -88,13 +90,14 @@ def generate(
     max_tokens: int | None = None,
     on_token: Callable[[int, float], None] | None = None,
 ) -> str | None:
-    """Decode a tracked call with ``engine``, observing each token as it is decoded.
+    """Decode a tracked call with ``engine``; its tokens are observed from the engine's lists.
 
     Prefills the call's engine prompt first (``prefill=False`` goes on from where an earlier
     ``generate`` stopped), then steps until a stop token, the call's output limit, or
     ``max_tokens`` more tokens.  Returns the finish reason (``stop`` or ``length``, also
     observed) when the call finished, None when ``max_tokens`` stopped it first.
-    ``on_token(id, logprob)`` runs after each token is observed.
+    ``on_token(id, logprob)`` runs after each token is observed (a cut would hold it).  While it
+    runs, ``observe`` refuses the call: the engine's tokens are taken from its lists.
     """
     todo = decoding_plan(capture, call)
     if todo.finished is not None:
@@ -104,18 +107,28 @@ def generate(
         engine.prefill(todo.prompt_token_ids)
     stops = engine.stop_token_ids
     budget = todo.remaining_tokens if max_tokens is None else min(max_tokens, todo.remaining_tokens)
-    for _ in range(budget):
-        token, logprob = engine.step()
-        finish = "stop" if token in stops else None
-        capture.observe(call, (token,), (logprob,), finish_reason=finish)
-        if on_token is not None:
-            on_token(token, logprob)
-        if finish is not None:
-            return finish
-    if budget == todo.remaining_tokens:
-        capture.observe(call, [], [], finish_reason="length")
-        return "length"
-    return None
+    # The decode loop makes no store call a token: a cut, a flush or a completion reads what the
+    # engine decoded from its generated_token_ids/generated_logprobs (attach), under the call's lock.
+    live = capture.cuts.attach(call, engine)
+    finish: str | None = None
+    try:
+        for _ in range(budget):
+            token, logprob = engine.step()
+            if token in stops:
+                finish = "stop"
+                break
+            if on_token is not None:
+                on_token(token, logprob)
+        else:
+            if budget == todo.remaining_tokens:
+                finish = "length"
+    except BaseException:
+        live.detach(None)  # what it decoded is observed; the error is the caller's
+        raise
+    live.detach(finish)
+    if finish == "stop" and on_token is not None:
+        on_token(token, logprob)
+    return finish
 
 
 def decode(
