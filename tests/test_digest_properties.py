@@ -336,6 +336,58 @@ def test_staged_digest_matches_the_section_2_6_layout(fields: dict[str, Any]) ->
     assert compute_staging_digest(**fields) == _reference_staging_digest(fields)
 
 
+@FAST
+@given(
+    prompt=st.lists(st.integers(0, U64_MAX), min_size=1, max_size=12),
+    generated=st.lists(st.integers(0, U64_MAX), max_size=12),
+    child=st.booleans(),
+    data=st.data(),
+)
+def test_a_live_prefix_digest_is_the_digest_of_the_record_built_from_its_columns(
+    prompt: list[int], generated: list[int], child: bool, data: st.DataObject
+) -> None:
+    """``live_prefix_digest`` hashes a cut's prefix in parts; it must equal the staged digest of
+    the record ``build_staging_delta`` makes of the same call (with its chain and cumulative hashes)."""
+    from store.wire.columns import FloatColumn
+    from store.wire.digest import build_staging_delta, live_prefix_digest
+
+    prev_len = data.draw(st.integers(1, len(prompt))) if child else 0
+    assume(len(prompt) - prev_len + len(generated) > 0)
+    logprobs = data.draw(st.lists(_f32, min_size=len(generated), max_size=len(generated)))
+    parent = data.draw(_hex) if child else None
+    identity = {
+        "schema_version": data.draw(st.sampled_from([2, 3])),
+        "rollout_id": data.draw(_identifier),
+        "model_call_id": data.draw(_identifier),
+        "parent_call_id": data.draw(_identifier) if child else None,
+        "mode": "token_in" if child else "text",
+        "prev_len": prev_len,
+        "weight_version": data.draw(st.integers(0, U64_MAX)),
+    }
+    columns = build_staging_delta(prompt, generated, logprobs, prev_len)
+    expected = compute_staging_digest(
+        **identity,
+        digest_version=2,
+        extras_digest_version=1,
+        delta_len=len(columns.token_ids),
+        cum_len=prev_len + len(columns.token_ids),
+        token_ids_delta=columns.token_ids,
+        token_mask_delta=columns.token_mask,
+        generation_log_probs_delta=columns.log_probs,
+        extras_digest=EMPTY_EXTRAS_DIGEST,
+        chain_hash=compute_chain_hash(parent, columns.token_ids),
+        cumulative_hash=hash_token_columns(TokenIds.coerce(prompt), TokenIds.coerce(generated)),
+    )
+    live = live_prefix_digest(
+        **identity,
+        parent_chain_hash=parent,
+        prompt=TokenIds.coerce(prompt),
+        generated=TokenIds.coerce(generated),
+        generated_log_probs=FloatColumn.coerce(logprobs, "log-probs"),
+    )
+    assert live == expected
+
+
 # --- extras -------------------------------------------------------------------------------------
 
 _extras_scalar = st.one_of(

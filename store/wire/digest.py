@@ -251,6 +251,7 @@ def _bulk_tagged_ints(values: list[int]) -> bytes:
 
 
 EMPTY_EXTRAS_DIGEST = compute_extras_digest(None)
+_EMPTY_EXTRAS_RAW = bytes.fromhex(EMPTY_EXTRAS_DIGEST)
 
 
 # --- staged-call digest (2.6) ----------------------------------------------------------
@@ -362,6 +363,72 @@ def _staging_digest_and_columns(
     hasher.update(columns.log_probs.big_endian_f32().data)
     hasher.update(tail)
     return hasher.hexdigest(), columns
+
+
+_F32_ZERO_BE = b"\x00\x00\x00\x00"
+_F32_ONE_BE = b"\x3f\x80\x00\x00"
+
+
+def live_prefix_digest(
+    *,
+    schema_version: int,
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    weight_version: int,
+    parent_chain_hash: str | None,
+    prompt: TokenIds,
+    generated: TokenIds,
+    generated_log_probs: FloatColumn,
+) -> str:
+    """The staged-call digest of the prefix record ``build_staging_delta`` makes of a live call
+    (the prompt after ``prev_len`` as carry, then the generation; no extras), hashed in parts:
+    no column, chain or record is built.  For columns already validated (a cut's own buffers,
+    whose chunk records are checked as they are staged); any other input goes through
+    ``compute_staging_digest``."""
+    carry = len(prompt) - prev_len
+    count = carry + len(generated)
+    if carry < 0 or count == 0 or len(generated) != len(generated_log_probs):
+        raise DigestValueError("a live prefix needs prev_len within the prompt and aligned, non-empty columns")
+    prompt_tail = prompt.big_endian()[prev_len:]
+    ids_header = _PACK_U64(count)
+    chain = hashlib.sha256(CHAIN_DOMAIN)
+    chain.update(
+        b"\x00" if parent_chain_hash is None else b"\x01" + hex_digest_bytes(parent_chain_hash, "parent chain")
+    )
+    chain.update(ids_header)
+    chain.update(prompt_tail.data)
+    chain.update(generated.big_endian().data)
+    cumulative = hashlib.sha256(CUMULATIVE_DOMAIN)
+    cumulative.update(_PACK_U64(len(prompt) + len(generated)))
+    cumulative.update(prompt.big_endian().data)
+    cumulative.update(generated.big_endian().data)
+    float_header = _PACK_U64(8 + 4 * count) + ids_header
+    hasher = hashlib.sha256(
+        _preimage_head(
+            (schema_version, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION),
+            rollout_id,
+            model_call_id,
+            parent_call_id,
+            mode,
+            prev_len,
+            ids_header,
+            u64(prev_len + count, "cum_len"),
+            weight_version,
+            count,
+        )
+    )
+    hasher.update(prompt_tail.data)
+    hasher.update(generated.big_endian().data)
+    hasher.update(float_header)
+    hasher.update(_F32_ZERO_BE * carry + _F32_ONE_BE * len(generated))
+    hasher.update(float_header)
+    hasher.update(_F32_ZERO_BE * carry)
+    hasher.update(generated_log_probs.big_endian_f32().data)
+    hasher.update(_EMPTY_EXTRAS_RAW + b"\x01" + chain.digest() + b"\x01" + cumulative.digest())
+    return hasher.hexdigest()
 
 
 def _preimage_head(

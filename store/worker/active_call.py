@@ -19,7 +19,7 @@ from store.errors import CaptureDataError, CaptureError
 from store.log.events import Span
 from store.projections.fold import generated_spans
 from store.wire.columns import FloatColumn, TokenIds
-from store.wire.digest import build_staging_delta, compute_chain_hash, hash_token_columns
+from store.wire.digest import build_staging_delta, compute_chain_hash, hash_token_columns, live_prefix_digest
 from store.wire.records import CaptureAdmission, StagedCallBaseSnapshot, StagedCallRecord
 
 
@@ -179,6 +179,38 @@ def build_prefix_record(
         extras=extras,
         schema_version=admission.schema_version,
     )
+
+
+def prefix_digest(
+    call: ActiveCall, *, prompt_token_ids: TokenIds, generated_token_ids: TokenIds, generated_logprobs: FloatColumn
+) -> str:
+    """``build_prefix_record(...).digest`` of a live call's own (validated) buffers, without the
+    record: what a cut acknowledges once the call's first chunk holds the cumulative record."""
+    admission = call.admission
+    if call.generation_cut is not None:  # a continued call's columns start with its cut's: the record path
+        return build_prefix_record(
+            call,
+            prompt_token_ids=prompt_token_ids,
+            generated_token_ids=generated_token_ids,
+            generated_logprobs=generated_logprobs,
+        ).digest
+    check_active(call)
+    try:
+        return live_prefix_digest(
+            schema_version=admission.schema_version,
+            rollout_id=admission.rollout_id,
+            model_call_id=admission.model_call_id,
+            parent_call_id=admission.parent_call_id,
+            mode="token_in" if admission.mode == "token_in" else "text",
+            prev_len=admission.prev_len,
+            weight_version=call.oldest_weight_version,
+            parent_chain_hash=admission.parent_chain_hash,
+            prompt=prompt_token_ids,
+            generated=generated_token_ids,
+            generated_log_probs=generated_logprobs,
+        )
+    except ValueError as exc:
+        raise CaptureDataError(str(exc)) from exc
 
 
 def _after_restored(

@@ -41,7 +41,13 @@ from store.wire.records import (
     from_json,
     to_json,
 )
-from store.worker.active_call import ActiveCall, build_generation_chunk_record, build_prefix_record, record_spans
+from store.worker.active_call import (
+    ActiveCall,
+    build_generation_chunk_record,
+    build_prefix_record,
+    prefix_digest,
+    record_spans,
+)
 from store.worker.evidence import Evidence, EvidenceCache
 
 log = logging.getLogger("store.cuts")
@@ -634,7 +640,7 @@ class CutServer:
                 f"{live.call}: {total} generated tokens, past its output limit {live.effective_output_limit}",
                 "output_limit",
             )
-        record, entry = self._build(live, checkpoint_id, frozen, generated, logprobs)
+        digest, entry = self._build(live, checkpoint_id, frozen, generated, logprobs)
         keys = [*live.keys, entry.staging_key] if entry is not None and entry.staging_key else list(live.keys)
         ack = GenerationCutPrefixAck(
             **identity,
@@ -643,7 +649,7 @@ class CutServer:
             frozen_buffer_id=f"active/{checkpoint_id}/{frozen.sequence}",
             staging_keys=tuple(keys),
             prefix_token_count=total,
-            prefix_digest=record.digest,
+            prefix_digest=digest,
             effective_output_limit=live.effective_output_limit,
             terminal_finish_reason=live.finish_reason,  # type: ignore[arg-type]
             terminal_stop_reason=live.stop_reason,
@@ -652,12 +658,18 @@ class CutServer:
 
     def _build(
         self, live: LiveCall, owner: str, frozen: _Frozen, generated: TokenIds, logprobs: FloatColumn
-    ) -> tuple[StagedCallRecord, StageEntry | None]:
-        """The cumulative record (whose digest a restore checks) and what to stage for the chunk."""
+    ) -> tuple[str, StageEntry | None]:
+        """The cumulative record's digest (what a restore checks) and what to stage for the chunk:
+        the record itself while the call holds no chunk yet, else only its digest is needed."""
+        if live.keys:
+            digest = prefix_digest(
+                live.call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
+            )
+            return digest, self._chunk(live, owner, frozen, generated, None, logprobs)
         cumulative = build_prefix_record(
             live.call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
         )
-        return cumulative, self._chunk(live, owner, frozen, generated, cumulative)
+        return cumulative.digest, self._chunk(live, owner, frozen, generated, cumulative)
 
     def _chunk(
         self,
