@@ -271,10 +271,12 @@ class Store(LogShipping, DurabilityDomain):
 
         def work(tx: WriteTransaction) -> StageResults:
             results = StageResults()
+            receipt_lookup = None
             if receipt_event is not None:
                 body = receipt_event.body
                 assert isinstance(body, CutReceiptBody)
-                if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is not None:
+                standing, receipt_lookup = tx.receipt_lookup(receipt_event, body.checkpoint_id, body.inventory_digest)
+                if standing is not None:
                     # That inventory was served already: its receipt stands, and this serve's
                     # records (which no stored receipt acknowledges) are not written.
                     results.receipt_recorded = False
@@ -293,7 +295,7 @@ class Store(LogShipping, DurabilityDomain):
                 )
             if receipt_event is not None:
                 results.receipt_recorded = True
-                tx.append(receipt_event)
+                tx.append(receipt_event, receipt_lookup)  # the entries are other streams' records
             if tx.appended > before:
                 results._last_seq = tx.last_seq
             return results

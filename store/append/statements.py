@@ -119,6 +119,7 @@ class WriteStatements:
             engine,
         )
         self.stage_lookup = stage_lookup_statement(engine)
+        self.receipt_lookup = receipt_lookup_statement(engine)
         postgres = engine.dialect.name == "postgresql"
         self.stage_lookups = _stage_lookups(engine) if postgres else None
         self.stage_lookup_seq = stage_lookup_statement(engine, next_seq=True) if postgres else None
@@ -248,6 +249,31 @@ def stage_lookup_statement(engine: Engine, *, next_seq: bool = False) -> Stateme
     picked = _lookup_columns(last_version)
     if next_seq:
         picked.append(sa.literal_column("nextval(pg_get_serial_sequence('events', 'seq'))").label("next_seq"))
+    return Statement(sa.select(*picked).select_from(joined), engine)
+
+
+def receipt_lookup_statement(engine: Engine) -> Statement:
+    """Everything recording a cut receipt reads, in one statement (one row always): the seq of
+    the receipt of that inventory if one stands, the receipts stream's fence and its last version."""
+    events, rollouts, receipts = schema.events, schema.rollouts, schema.cut_receipts
+    rollout_id: sa.BindParameter[str] = sa.bindparam("rollout_id")
+    model_call_id: sa.BindParameter[str] = sa.bindparam("model_call_id")
+    one = sa.select(sa.literal_column("1").label("one")).subquery("one")
+    standing = (
+        sa.select(receipts.c.event_seq)
+        .where(
+            receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
+            receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
+        )
+        .scalar_subquery()
+    )
+    last_version = (
+        sa.select(sa.func.max(events.c.stream_version))
+        .where(events.c.rollout_id == rollout_id, events.c.model_call_id == model_call_id)
+        .scalar_subquery()
+    )
+    joined = one.outerjoin(rollouts, rollouts.c.rollout_id == rollout_id)
+    picked = [standing.label("standing"), rollouts.c.fenced, rollouts.c.fence_seq, last_version.label("last_version")]
     return Statement(sa.select(*picked).select_from(joined), engine)
 
 

@@ -291,6 +291,27 @@ class WriteTransaction:
         ).fetchone()
         return None if row is None else int(row[0])
 
+    def receipt_lookup(
+        self, new: NewEvent, checkpoint_id: str, inventory_digest: str
+    ) -> tuple[int | None, StageLookup]:
+        """One read before recording the receipt event ``new``: the seq of the receipt of that
+        inventory if one stands, and what ``append(new, lookup)`` needs (its stream's fence
+        refused here, as ``check_fence`` would, and its last version).  Nothing may be appended
+        to the receipt's stream between this and that append."""
+        values = {
+            "checkpoint_id": checkpoint_id,
+            "inventory_digest": inventory_digest,
+            "rollout_id": new.rollout_id,
+            "model_call_id": new.model_call_id,
+        }
+        standing, fenced, fence_seq, last_version = self._execute(self._sql.receipt_lookup, values).fetchone()
+        if new.rollout_id not in self._unfenced and not new.past_fence:
+            if fenced:
+                raise RolloutFencedError(new.rollout_id, None if fence_seq is None else int(fence_seq))
+            self._unfenced.add(new.rollout_id)
+        seq = None if standing is None else int(standing)
+        return seq, StageLookup(None, None, int(last_version or 0))
+
     def stream_bodies(self, rollout_id: str, model_call_id: str) -> list[tuple[EventKind, Any]]:
         """The decoded bodies of one stream's events, in order (the ledger's idempotency check)."""
         values = {"rollout_id": rollout_id, "model_call_id": model_call_id}
