@@ -1,7 +1,8 @@
 """Random sequences of worker operations against a small in-memory model (issue 6, fault test 1).
 
 A hypothesis ``RuleBasedStateMachine`` drives one store and one worker capture through
-admissions, decoding, cuts (also two at once over shared calls), periodic flushes,
+admissions, decoding (``observe``, and ``generate`` over an engine whose tokens the capture
+pulls, cut from another thread inside the engine's step), cuts (also two at once over shared calls), periodic flushes,
 completions, failures, crashes (all process state dropped, the store reopened), checkpoints
 that cut every live call just before a crash, restores that continue a cut call as the next
 attempt (sometimes under a newer policy version; a restored call is cut and restored again;
