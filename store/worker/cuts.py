@@ -665,36 +665,31 @@ class CutServer:
             digest = prefix_digest(
                 live.call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
             )
-            return digest, self._chunk(live, owner, frozen, generated, None, logprobs)
+            return digest, self._chunk(live, owner, frozen, None)
         cumulative = build_prefix_record(
             live.call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
         )
-        return cumulative.digest, self._chunk(live, owner, frozen, generated, cumulative)
+        return cumulative.digest, self._chunk(live, owner, frozen, cumulative)
 
     def _chunk(
-        self,
-        live: LiveCall,
-        owner: str,
-        frozen: _Frozen,
-        generated: TokenIds,
-        cumulative: StagedCallRecord | None,
-        logprobs: FloatColumn | None = None,
+        self, live: LiveCall, owner: str, frozen: _Frozen, cumulative: StagedCallRecord | None
     ) -> StageEntry | None:
-        """What to stage for the frozen chunk: the cumulative record first, then generation-only
-        chunks (a flush needs no cumulative record after the first: only a cut acknowledges one)."""
+        """What to stage for the frozen chunk: the cumulative record first (``cumulative``, or
+        built here), then generation-only chunks (a flush needs no cumulative record after the
+        first: only a cut acknowledges one)."""
         call = live.call
         if not len(frozen.ids):
             return None
         key = chunk_staging_key(owner, call.capture_key, call.model_call_id, len(live.own_keys))
         if not live.keys:
             if cumulative is None:
-                assert logprobs is not None
+                generated, logprobs = live.cumulative()
                 cumulative = build_prefix_record(
                     call, prompt_token_ids=live.prompt, generated_token_ids=generated, generated_logprobs=logprobs
                 )
             return StageEntry(cumulative, key, EventKind.PREFIX_STAGED, record_spans(call, cumulative))
         chunk = build_generation_chunk_record(call, generated_token_ids=frozen.ids, generated_logprobs=frozen.logprobs)
-        start = live.carry + len(generated) - len(frozen.ids)
+        start = live.carry + len(live.sealed_ids)  # the sealed tokens come first (the lifecycle lock holds them)
         spans = [(start, start + len(frozen.ids), call.weight_version)]
         return StageEntry(chunk, key, EventKind.CHUNK_STAGED, spans)
 
@@ -747,8 +742,7 @@ class CutServer:
         owner = f"periodic-{self._flush_counter:012d}"
         frozen = live.freeze(owner)
         try:
-            generated, logprobs = live.cumulative()
-            entry = self._chunk(live, owner, frozen, generated, None, logprobs)
+            entry = self._chunk(live, owner, frozen, None)
             if entry is None:
                 live.rollback()
                 return False
