@@ -274,3 +274,27 @@ def test_the_replica_keeps_up_with_nobody_waiting(tmp_path: Path) -> None:
                 found = any(info.staging_key == staged.staging_key for info in reader.staged_keys())
                 time.sleep(0.05)
         assert found, "the record did not reach the replica by itself"
+
+
+def test_a_cut_reads_its_keys_seqs_once_its_chunks_are_in_the_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replicated cut waits for the ship of the chunks it just committed (their last seq is at or
+    above every key's) before it reads the seqs of the keys its acknowledgements name: that read
+    never runs beside the shipping thread's reading and verifying."""
+    from store.shipping import replica as replication
+
+    seen: list[tuple[int, int]] = []  # (the replica's watermark when the seqs are read, the highest seq)
+    original = replication.key_seqs
+
+    def recording(reader: object, keys: list[str]) -> dict[str, int]:
+        found = original(reader, keys)  # type: ignore[arg-type]
+        seen.append((worker._replicator.through, max(found.values())))  # type: ignore[union-attr]
+        return found
+
+    with open_store(tmp_path / "w.db", replica=replica_path(tmp_path), domain="replicated") as worker:
+        monkeypatch.setattr(replication, "key_seqs", recording)
+        capture, _, receipt = rh.serve_until_cut(worker, CALLS, 5)
+        assert [ack.disposition for ack in receipt.prefixes] == ["durable_prefix"] * len(CALLS)
+        capture.close()
+    assert seen and all(through >= highest for through, highest in seen), seen

@@ -64,10 +64,18 @@ class DurabilityDomain:
         return self._replication().reach(seq, time.monotonic() + wait)
 
     @operation
-    def _replicated_keys(self, keys: Sequence[str], deadline: float) -> set[str]:
-        """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``."""
+    def _replicated_keys(self, keys: Sequence[str], deadline: float, staged_through: int | None = None) -> set[str]:
+        """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``.
+
+        ``staged_through``: the last seq the caller just committed, at or above every key's
+        event: the ship up to it is waited for first and the keys' seqs are read after it, so
+        that read never competes for the interpreter with the shipping thread's reading and
+        verifying (with two busy threads each waits out the other's switch interval)."""
         replicator = self._replication()
-        replicator.poke()  # their events are committed: the ship starts while their seqs are read
+        if staged_through is not None:
+            replicator.reach(staged_through, deadline)
+        else:
+            replicator.poke()  # their events are committed: the ship starts while their seqs are read
         seqs = replication.key_seqs(self._reader, keys)
         return replication.in_replica(replicator, seqs, deadline)
 

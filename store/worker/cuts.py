@@ -382,14 +382,15 @@ class CutServer:
         for every record the acknowledgements name to be in the replica (``replica_wait`` at
         most), and make ``durable_failure`` of each acknowledgement whose records are not there."""
         entries = [plan.entry for plan in plans if plan.entry is not None]
+        staged_through = None
         if entries:
-            self._store.stage_all(entries)
+            staged_through = getattr(self._store.stage_all(entries), "_last_seq", None)
             for plan in plans:
                 if plan.entry is not None:
                     plan.live.seal(plan.entry.staging_key)
                     plan.sealed = True
         named = sorted({key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys})
-        there = self._store._replicated_keys(named, deadline)
+        there = self._store._replicated_keys(named, deadline, staged_through)
         final = []
         for ack in acks:
             if ack.disposition == "durable_prefix" and not all(key in there for key in ack.staging_keys):
