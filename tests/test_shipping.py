@@ -421,3 +421,51 @@ def test_a_cut_of_many_calls_of_one_rollout_ships_without_a_statement_per_call(
             assert sent.count("lookup") == len(live) and sent.count("update") == len(live)
         assert_target_reads_like_source(source, target)
         assert target.replay().ok
+
+
+def test_a_receipt_ships_in_one_round_trip_before_its_commit(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's reads before its first append (the resume point, which identities are here, a
+    receipt's lookup, the stage lookups and seqs) go out together, read ahead; a small batch
+    (a cut's receipt, shipped on its own) is sent as statements with the COMMIT, not a COPY.
+    On PostgreSQL a receipt's ship then runs no statement of its own before the inserts and
+    opens no COPY; on SQLite each read runs as it comes."""
+    from store.append.transaction import WriteTransaction
+    from store.log.write_transaction import _PipelinedCursor
+    from store.shipping.ship import Bounds
+
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        capture = rh.capture_on(source)
+        root = rh.stage_root(capture)
+        live = {call: rh.admit(capture, root, call, limit=64) for call in range(1, 4)}
+        for active in live.values():
+            capture.observe(active, list(range(1000, 1008)), [-0.5] * 8)
+        assert source.ship(target).ok
+        receipt = capture.serve_generation_cut(rh.inventory("checkpoint-1", live))
+        capture.close()
+        report = source.ship(target, limit=len(live))  # the chunks; the receipt is left
+        assert report.ok and report.remaining == 1, report.summary()
+        reads: list[str] = []
+        copies: list[str] = []
+        original = WriteTransaction._execute
+
+        def counting(self: WriteTransaction, statement: Any, values: dict[str, Any]) -> Any:
+            if statement.sql.lstrip().upper().startswith("SELECT"):
+                reads.append(statement.sql)
+            return original(self, statement, values)
+
+        monkeypatch.setattr(WriteTransaction, "_execute", counting)
+        monkeypatch.setattr(_PipelinedCursor, "copy_rows", lambda *args: copies.append("rows"))
+        monkeypatch.setattr(_PipelinedCursor, "copy_row", lambda *args: copies.append("row"))
+        # As the replicator ships: from the resume point its last ship ended at (not read first).
+        report = source._ship_round(target, Bounds(), report.last_seq)
+        monkeypatch.undo()
+        assert report.ok and report.appended == 1, report.summary()
+        if target.backend == "postgresql":
+            assert reads == [] and copies == [], (reads, copies)
+        else:
+            assert len(reads) >= 4, reads  # resume point, identities, receipt, lookup: one by one
+        assert target.cut_receipt(receipt.checkpoint_id, receipt.inventory_digest) is not None
+        assert_target_reads_like_source(source, target)
+        assert target.replay().ok

@@ -48,11 +48,13 @@ class StageLookup(NamedTuple):
 # round trip of its own); the calls and keys rows the bulk work itself inserts always do.
 COPY_MIN_ROWS = 16
 
+Stream = tuple[str, str, str | None]  # a read-ahead lookup's (rollout, call, staging key or None)
+
 # A transaction's read-ahead lookups before any: shared, never written (``WriteTransaction``).
-_NOTHING_AHEAD: dict[tuple[str, str, str], Any] = {}
-_NOTHING_AHEAD_BY_ROLLOUT: dict[str, list[tuple[str, str, str]]] = {}
-_NOTHING_AHEAD_BY_CALL: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
-_NOTHING_AHEAD_BY_KEY: dict[str, tuple[str, str, str]] = {}
+_NOTHING_AHEAD: dict[Stream, Any] = {}
+_NOTHING_AHEAD_BY_ROLLOUT: dict[str, list[Stream]] = {}
+_NOTHING_AHEAD_BY_CALL: dict[tuple[str, str], list[Stream]] = {}
+_NOTHING_AHEAD_BY_KEY: dict[str, Stream] = {}
 
 
 class WriteTransaction:
@@ -89,10 +91,10 @@ class WriteTransaction:
         self._later: dict[str, list[Any]] = {}
         # Stage lookups read ahead (``read_ahead``), by (rollout, call, key); dropped once stale.
         # Empty and shared until a read ahead makes the transaction its own (most never do).
-        self._ahead: dict[tuple[str, str, str], Any] = _NOTHING_AHEAD
-        self._ahead_by_rollout: dict[str, list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_ROLLOUT
-        self._ahead_by_call: dict[tuple[str, str], list[tuple[str, str, str]]] = _NOTHING_AHEAD_BY_CALL
-        self._ahead_by_key: dict[str, tuple[str, str, str]] = _NOTHING_AHEAD_BY_KEY
+        self._ahead: dict[Stream, Any] = _NOTHING_AHEAD
+        self._ahead_by_rollout: dict[str, list[Stream]] = _NOTHING_AHEAD_BY_ROLLOUT
+        self._ahead_by_call: dict[tuple[str, str], list[Stream]] = _NOTHING_AHEAD_BY_CALL
+        self._ahead_by_key: dict[str, Stream] = _NOTHING_AHEAD_BY_KEY
         self._bulk = False  # inside ``bulk``: inserts of many rows go out as COPY
         self._copy_later: dict[str, list[tuple[Any, ...]]] = {}  # inside ``bulk``: rows by statement, as tuples
         # PostgreSQL: the calls rows updated since the last flush, by stream (the newest state of
@@ -187,31 +189,56 @@ class WriteTransaction:
     def _insert_later(self, statement: Statement, values: dict[str, Any]) -> None:
         self._later.setdefault(statement.sql, []).append(statement.params(values))
 
-    def read_ahead(self, streams: list[tuple[str, str, str]], appends: int) -> None:
-        """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each) with one
-        statement, and take the seqs of ``appends`` events, in one round trip.  A lookup is
-        used by ``stage_lookup`` only while nothing written since could have changed it (no
-        event of its rollout or key appended, no other statement run).  SQLite: nothing to gain."""
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether ``read_ahead`` reads anything (PostgreSQL): a lookup then costs no round trip
+        of its own, and ``stage_lookup`` reads in one statement what ``append`` would in two."""
+        return self._sql.stage_lookups is not None and hasattr(self._cursor, "side_cursor")
+
+    def read_ahead(
+        self,
+        streams: Sequence[Stream],
+        appends: int,
+        also: Sequence[tuple[Statement, dict[str, Any]]] = (),
+    ) -> list[list[Any]]:
+        """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each; key None:
+        a stream's fence and last version only) with one statement, and take the seqs of
+        ``appends`` events, in one round trip.  A lookup is used by ``stage_lookup`` only while
+        nothing written since could have changed it (no event of its rollout or key appended,
+        no other statement run).  SQLite: nothing to gain.
+
+        ``also``: other modules' read statements (as ``run`` takes them), sent in the same round
+        trip, before the lookups; their rows are returned, in order (run one by one on SQLite)."""
         statement = self._sql.stage_lookups
         side_cursor = getattr(self._cursor, "side_cursor", None)
         if statement is None or side_cursor is None:
-            return
+            return [self.run(run, values).fetchall() for run, values in also]
+        if also:
+            self._forget_all_ahead()  # as ``run`` does
         self.flush()
-        if self._takes_seqs:
-            self._cursor.reserve_seqs(appends)
-        wanted = list(dict.fromkeys(streams))
-        if not wanted:
-            return
-        values = {
-            "rollout_ids": [stream[0] for stream in wanted],
-            "model_call_ids": [stream[1] for stream in wanted],
-            "staging_keys": [stream[2] for stream in wanted],
-        }
-        cursor = side_cursor()
+        cursors: list[Any] = []
         try:
-            rows = cursor.execute(statement.sql, statement.params(values)).fetchall()
+            for run, values in also:
+                cursors.append(side_cursor())
+                cursors[-1].execute(run.sql, run.params(values))  # not waited for (pipeline)
+            if self._takes_seqs:
+                self._cursor.reserve_seqs(appends)
+            wanted = list(dict.fromkeys(streams))
+            rows: list[Any] = []
+            if wanted:
+                lookups = {
+                    "rollout_ids": [stream[0] for stream in wanted],
+                    "model_call_ids": [stream[1] for stream in wanted],
+                    "staging_keys": [stream[2] for stream in wanted],
+                }
+                cursors.append(side_cursor())
+                rows = cursors[-1].execute(statement.sql, statement.params(lookups)).fetchall()
+            found = [cursor.fetchall() for cursor in cursors[: len(also)]]
         finally:
-            cursor.close()
+            for cursor in cursors:
+                cursor.close()
+        if not wanted:
+            return found
         if self._ahead is _NOTHING_AHEAD:
             self._ahead, self._ahead_by_rollout, self._ahead_by_key = {}, {}, {}
             self._ahead_by_call = {}
@@ -219,7 +246,9 @@ class WriteTransaction:
             self._ahead[stream] = row
             self._ahead_by_rollout.setdefault(stream[0], []).append(stream)
             self._ahead_by_call.setdefault((stream[0], stream[1]), []).append(stream)
-            self._ahead_by_key[stream[2]] = stream
+            if stream[2] is not None:
+                self._ahead_by_key[stream[2]] = stream
+        return found
 
     def _forget_ahead(self, event: Event, keys: Any) -> None:
         """Drop read-ahead lookups an append made stale: its stream's (the calls row and last
@@ -363,7 +392,7 @@ class WriteTransaction:
         self.appended_bytes += new.size
         return True
 
-    def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str) -> StageLookup:
+    def stage_lookup(self, rollout_id: str, model_call_id: str, staging_key: str | None) -> StageLookup:
         """One read for a stage: refuses a retired capture key as ``check_fence`` does, and
         returns the staging key's row, the calls row and the stream's last version."""
         row = None

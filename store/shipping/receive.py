@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_refusal
 from store.append.statements import copy_insert, unnest_insert
-from store.append.transaction import WriteTransaction
+from store.append.transaction import COPY_MIN_ROWS, WriteTransaction
 from store.errors import StoreError
 from store.log import schema
 from store.log.engine import Statement
@@ -112,6 +112,13 @@ class ShipStatements:
             ),
             engine,
         )
+        self.receipt_seq = Statement(
+            sa.select(receipts.c.event_seq).where(
+                receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
+                receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
+            ),
+            engine,
+        )
         self.target_seq = Statement(
             sa.select(shipped.c.event_seq).where(
                 shipped.c.origin_store_id == sa.bindparam("origin_store_id"),
@@ -139,9 +146,12 @@ def receive(
     items: list[SourceEvent],
     resume_at_least: int | None = None,
 ) -> Received:
-    """Apply ``items`` (in source order) in the target's write transaction; its inserts go out
-    as COPY on PostgreSQL (``WriteTransaction.bulk``).  ``ResumePointMoved`` when the target's
-    resume point is below ``resume_at_least`` (the ship's assumed start)."""
+    """Apply ``items`` (in source order) in the target's write transaction; a batch of many goes
+    out as COPY on PostgreSQL (``WriteTransaction.bulk``), a small one (a cut's receipt) as
+    statements sent with the COMMIT (a COPY waits for the server twice).  ``ResumePointMoved``
+    when the target's resume point is below ``resume_at_least`` (the ship's assumed start)."""
+    if len(items) < COPY_MIN_ROWS:
+        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at_least)
     with tx.bulk():
         return _receive(tx, statements, source_store_id, target_store_id, items, resume_at_least)
 
@@ -155,20 +165,38 @@ def _receive(
     resume_at_least: int | None,
 ) -> Received:
     received = Received()
-    known = resume_point(tx, statements, source_store_id)
+    # One round trip (PostgreSQL) for every read the batch makes before its first append: the
+    # resume point, which identities are here already, the receipts' lookups, the records'
+    # stage lookups and the events' seqs.  What is read for an event the resume point or a
+    # shipped identity then skips is not used.
+    here, by_origin = _own_events(target_store_id, items)
+    reads: list[tuple[Statement, dict[str, Any]]] = [(statements.resume_point, {"source_store_id": source_store_id})]
+    for origin_id, seqs in by_origin.items():
+        reads.append((statements.shipped_in, {"origin_store_id": origin_id, "low": min(seqs), "high": max(seqs)}))
+    receipts = list(dict.fromkeys(inventory for item in items if (inventory := _receipt_inventory(item)) is not None))
+    reads.extend(
+        (statements.receipt_seq, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest})
+        for checkpoint_id, inventory_digest in receipts
+    )
+    found = _read_ahead(tx, items, reads)
+    known = None if not found[0] else int(found[0][0][0])
     if resume_at_least is not None and (known or 0) < resume_at_least:
         raise ResumePointMoved(resume_at_least, known)
+    for origin_id, rows in zip(by_origin, found[1 : 1 + len(by_origin)], strict=True):
+        here.update((origin_id, int(row[0])) for row in rows)
+    receipt_seqs = {
+        inventory: (int(rows[0][0]) if rows else None)
+        for inventory, rows in zip(receipts, found[1 + len(by_origin) :], strict=True)
+    }
     # Another ship of the same source may have committed these first: skip what it did.
     items = [item for item in items if known is None or item.source_seq > known]
-    here = _already_here(tx, statements, target_store_id, items)
-    _read_ahead(tx, [item for item in items if (item.origin.store_id, item.origin.seq) not in here])
     for item in items:
         origin = (item.origin.store_id, item.origin.seq)
         if origin in here:
             received.present += 1
         else:
             try:
-                outcome = _apply(tx, statements, target_store_id, item, received.events)
+                outcome = _apply(tx, statements, target_store_id, item, received.events, receipt_seqs)
             except StoreError as exc:
                 raise Refused(item.source_seq, exc) from exc
             if isinstance(outcome, str):
@@ -199,20 +227,30 @@ def _receive(
     return received
 
 
-def _read_ahead(tx: WriteTransaction, items: list[SourceEvent]) -> None:
-    """One round trip for the batch's record lookups and seqs instead of one per event."""
-    streams = [
-        (item.event.rollout_id, item.event.model_call_id, item.event.staging_key)
-        for item in items
-        if item.event.kind in RECORD_KINDS and item.event.staging_key is not None
-    ]
-    tx.read_ahead(streams, len(items))
+def _receipt_inventory(item: SourceEvent) -> tuple[str, str] | None:
+    body = item.event.body
+    if item.event.kind is EventKind.CUT_RECEIPT and isinstance(body, CutReceiptBody):
+        return body.checkpoint_id, body.inventory_digest
+    return None
 
 
-def _already_here(
-    tx: WriteTransaction, statements: ShipStatements, target_store_id: str, items: list[SourceEvent]
-) -> set[tuple[str, int]]:
-    """The identities among ``items`` the target already holds (shipped before, or its own)."""
+def _read_ahead(
+    tx: WriteTransaction, items: list[SourceEvent], reads: list[tuple[Statement, dict[str, Any]]]
+) -> list[list[Any]]:
+    """``reads``'s rows, read in the round trip of the batch's lookups and seqs (one for all)."""
+    streams: list[tuple[str, str, str | None]] = []
+    for item in items:
+        event = item.event
+        if event.kind in RECORD_KINDS and event.staging_key is not None:
+            streams.append((event.rollout_id, event.model_call_id, event.staging_key))
+        elif event.kind is EventKind.CUT_RECEIPT:
+            streams.append((event.rollout_id, event.model_call_id, None))  # its fence and version
+    return tx.read_ahead(streams, len(items), reads)
+
+
+def _own_events(target_store_id: str, items: list[SourceEvent]) -> tuple[set[tuple[str, int]], dict[str, list[int]]]:
+    """The target's own events among ``items`` (shipped back: here already), and the origin
+    seqs of the others, by origin store (``shipped_in`` finds which of them are here)."""
     here: set[tuple[str, int]] = set()
     by_origin: dict[str, list[int]] = {}
     for item in items:
@@ -220,10 +258,7 @@ def _already_here(
             here.add((target_store_id, item.origin.seq))  # an event of the target's own, shipped back
         else:
             by_origin.setdefault(item.origin.store_id, []).append(item.origin.seq)
-    for origin, seqs in by_origin.items():
-        rows = tx.run(statements.shipped_in, {"origin_store_id": origin, "low": min(seqs), "high": max(seqs)})
-        here.update((origin, int(row[0])) for row in rows.fetchall())
-    return here
+    return here, by_origin
 
 
 def _apply(
@@ -232,8 +267,12 @@ def _apply(
     target_store_id: str,
     item: SourceEvent,
     batch: list[dict[str, Any]],
+    receipt_seqs: dict[tuple[str, str], int | None] | None = None,
 ) -> int | str | None:
-    """Append one event as staging would: its seq, None if nothing was needed, or a conflict's reason."""
+    """Append one event as staging would: its seq, None if nothing was needed, or a conflict's reason.
+
+    ``receipt_seqs``: the receipts' seqs here read ahead, by inventory (an entry is used once:
+    a receipt this batch appends makes it stale)."""
     new = item.event
     before = tx.appended
     if new.kind is EventKind.ROLLOUT_DELETED:
@@ -277,8 +316,16 @@ def _apply(
     elif new.kind is EventKind.CUT_RECEIPT:
         body = new.body
         assert isinstance(body, CutReceiptBody)
-        if tx.receipt_seq(body.checkpoint_id, body.inventory_digest) is None:
-            tx.append(new)
+        inventory = (body.checkpoint_id, body.inventory_digest)
+        if receipt_seqs is not None and inventory in receipt_seqs:
+            seq = receipt_seqs.pop(inventory)
+        else:
+            seq = tx.receipt_seq(body.checkpoint_id, body.inventory_digest)
+        if seq is None:
+            # PostgreSQL: its fence and last version were read ahead (``_read_ahead``), unless a
+            # statement since made them stale (then read in one statement, not two).
+            lookup = tx.stage_lookup(new.rollout_id, new.model_call_id, None) if tx.reads_ahead else None
+            tx.append(new, lookup)
         elif _receipt_here(tx, statements, body) != body.receipt:
             return (
                 f"checkpoint {body.checkpoint_id!r} already has another receipt for inventory "
