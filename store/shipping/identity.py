@@ -34,14 +34,3 @@ def event_origin(connection: sa.Connection, store_id: str, seq: int) -> EventOri
         sa.select(shipped.c.origin_store_id, shipped.c.origin_seq).where(shipped.c.event_seq == seq)
     ).first()
     return EventOrigin(store_id, seq) if row is None else EventOrigin(str(row[0]), int(row[1]))
-
-
-def origins_between(connection: sa.Connection, after: int, last: int) -> dict[int, EventOrigin]:
-    """Events in (after, last] that arrived by a ship, with their origins (the rest are local)."""
-    shipped = schema.shipped_events
-    rows = connection.execute(
-        sa.select(shipped.c.event_seq, shipped.c.origin_store_id, shipped.c.origin_seq).where(
-            shipped.c.event_seq > after, shipped.c.event_seq <= last
-        )
-    )
-    return {int(seq): EventOrigin(str(origin), int(origin_seq)) for seq, origin, origin_seq in rows}
