@@ -469,3 +469,42 @@ def test_a_receipt_ships_in_one_round_trip_before_its_commit(
         assert target.cut_receipt(receipt.checkpoint_id, receipt.inventory_digest) is not None
         assert_target_reads_like_source(source, target)
         assert target.replay().ok
+
+
+def test_a_ship_of_one_batch_verifies_each_event_just_before_appending_it(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ship of one batch (a replicated cut's) reads its events and verifies each one in the
+    target's transaction just before appending it, so the ones before it stream to the server
+    meanwhile; a damaged one still stops the batch there (the ones before it commit) and is
+    reported as before, and nothing of it reaches the target."""
+    from store.append.transaction import WriteTransaction
+    from store.shipping import source as shipping_source
+
+    order: list[str] = []
+    verified, append = shipping_source._verified, WriteTransaction.append
+
+    def verifying(row: Any, origin: Any) -> Any:
+        order.append(f"verify {row['rollout_id']}")
+        return verified(row, origin)
+
+    def appending(self: WriteTransaction, new: Any, lookup: Any = None) -> int:
+        order.append(f"append {new.rollout_id}")
+        return append(self, new, lookup)
+
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for name in ("r1", "r2", "r3", "r4"):
+            assert source.stage(make_record(rollout_id=name)).ok
+        damage_token_ids(source, "r3/call-1")
+        monkeypatch.setattr(shipping_source, "_verified", verifying)
+        monkeypatch.setattr(WriteTransaction, "append", appending)
+        report = source.ship(target)
+        monkeypatch.undo()
+        assert order == ["verify r1", "append r1", "verify r2", "append r2", "verify r3"], order
+        assert not report.ok
+        [problem] = report.problems
+        assert (problem.code, problem.source_seq, problem.staging_key) == ("corrupt", 3, "r3/call-1")
+        assert "checksum" in problem.reason
+        assert report.last_seq == 2 and raw_event_count(target) == 2 and report.remaining == 2
+        report = source.ship(target)  # it stops there again: nothing after it goes
+        assert not report.ok and report.appended == 0 and raw_event_count(target) == 2

@@ -36,7 +36,7 @@ from store.retention import removal
 from store.retention.removal import RetentionStatements
 from store.retention.retain import RETENTION_REASON
 from store.shipping.identity import EventOrigin
-from store.shipping.source import SourceEvent
+from store.shipping.source import Shippable, SourceEvent, Unshippable, Unverified
 
 
 class ResumePointMoved(Exception):
@@ -70,6 +70,7 @@ class Received:
     # another ship of the same source (a forked worker's) may have moved past this batch.
     shipped_through: int | None = None
     conflict: tuple[int, str] | None = None  # (source seq, reason): stopped there
+    unshippable: Unshippable | None = None  # an unverified item that failed verification: stopped there
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -143,13 +144,15 @@ def receive(
     statements: ShipStatements,
     source_store_id: str,
     target_store_id: str,
-    items: list[SourceEvent],
+    items: list[Shippable],
     resume_at_least: int | None = None,
 ) -> Received:
     """Apply ``items`` (in source order) in the target's write transaction; a batch of many goes
     out as COPY on PostgreSQL (``WriteTransaction.bulk``), a small one (a cut's receipt) as
     statements sent with the COMMIT (a COPY waits for the server twice).  ``ResumePointMoved``
-    when the target's resume point is below ``resume_at_least`` (the ship's assumed start)."""
+    when the target's resume point is below ``resume_at_least`` (the ship's assumed start).
+    An ``Unverified`` item is verified just before its turn: the batch stops at the first that
+    fails (``Received.unshippable``), the ones before it commit."""
     if len(items) < COPY_MIN_ROWS:
         return _receive(tx, statements, source_store_id, target_store_id, items, resume_at_least)
     with tx.bulk():
@@ -161,7 +164,7 @@ def _receive(
     statements: ShipStatements,
     source_store_id: str,
     target_store_id: str,
-    items: list[SourceEvent],
+    items: list[Shippable],
     resume_at_least: int | None,
 ) -> Received:
     received = Received()
@@ -188,9 +191,17 @@ def _receive(
         inventory: (int(rows[0][0]) if rows else None)
         for inventory, rows in zip(receipts, found[1 + len(by_origin) :], strict=True)
     }
-    # Another ship of the same source may have committed these first: skip what it did.
-    items = [item for item in items if known is None or item.source_seq > known]
-    for item in items:
+    for shippable in items:
+        if isinstance(shippable, Unverified):
+            checked = shippable.verify()  # while the events before it stream to the server
+            if isinstance(checked, Unshippable):
+                received.unshippable = checked
+                break
+            item = checked
+        else:
+            item = shippable
+        if known is not None and item.source_seq <= known:
+            continue  # another ship of the same source committed it first
         origin = (item.origin.store_id, item.origin.seq)
         if origin in here:
             received.present += 1
@@ -227,28 +238,55 @@ def _receive(
     return received
 
 
-def _receipt_inventory(item: SourceEvent) -> tuple[str, str] | None:
-    body = item.event.body
-    if item.event.kind is EventKind.CUT_RECEIPT and isinstance(body, CutReceiptBody):
-        return body.checkpoint_id, body.inventory_digest
-    return None
+def _receipt_inventory(item: Shippable) -> tuple[str, str] | None:
+    if isinstance(item, Unverified):  # its body as read (verified later): for the lookup only
+        if item.row.get("kind") != EventKind.CUT_RECEIPT.value or not isinstance(item.row.get("body"), bytes):
+            return None
+        try:
+            body = decode_body(EventKind.CUT_RECEIPT, item.row["body"])
+        except (TypeError, ValueError, msgspec.DecodeError):
+            return None  # it fails verification: the batch stops there
+    elif item.event.kind is EventKind.CUT_RECEIPT:
+        body = item.event.body
+    else:
+        return None
+    if not isinstance(body, CutReceiptBody):
+        return None
+    return body.checkpoint_id, body.inventory_digest
+
+
+def _names(item: Shippable) -> tuple[EventKind | None, Any, Any, Any]:
+    """An item's kind, rollout, call and staging key (an unverified one's as read)."""
+    if isinstance(item, Unverified):
+        row = item.row
+        kind = _KINDS.get(row.get("kind"))  # type: ignore[arg-type]
+        return kind, row.get("rollout_id"), row.get("model_call_id"), row.get("staging_key")
+    event = item.event
+    return event.kind, event.rollout_id, event.model_call_id, event.staging_key
+
+
+_KINDS = {kind.value: kind for kind in EventKind}
 
 
 def _read_ahead(
-    tx: WriteTransaction, items: list[SourceEvent], reads: list[tuple[Statement, dict[str, Any]]]
+    tx: WriteTransaction, items: list[Shippable], reads: list[tuple[Statement, dict[str, Any]]]
 ) -> list[list[Any]]:
-    """``reads``'s rows, read in the round trip of the batch's lookups and seqs (one for all)."""
+    """``reads``'s rows, read in the round trip of the batch's lookups and seqs (one for all).
+    A lookup is only a hint: one an append does not match (an unverified item's columns that
+    fail verification) is never used."""
     streams: list[tuple[str, str, str | None]] = []
     for item in items:
-        event = item.event
-        if event.kind in RECORD_KINDS and event.staging_key is not None:
-            streams.append((event.rollout_id, event.model_call_id, event.staging_key))
-        elif event.kind is EventKind.CUT_RECEIPT:
-            streams.append((event.rollout_id, event.model_call_id, None))  # its fence and version
+        kind, rollout_id, model_call_id, staging_key = _names(item)
+        if not (isinstance(rollout_id, str) and isinstance(model_call_id, str)):
+            continue
+        if kind in RECORD_KINDS and isinstance(staging_key, str):
+            streams.append((rollout_id, model_call_id, staging_key))
+        elif kind is EventKind.CUT_RECEIPT:
+            streams.append((rollout_id, model_call_id, None))  # its fence and version
     return tx.read_ahead(streams, len(items), reads)
 
 
-def _own_events(target_store_id: str, items: list[SourceEvent]) -> tuple[set[tuple[str, int]], dict[str, list[int]]]:
+def _own_events(target_store_id: str, items: list[Shippable]) -> tuple[set[tuple[str, int]], dict[str, list[int]]]:
     """The target's own events among ``items`` (shipped back: here already), and the origin
     seqs of the others, by origin store (``shipped_in`` finds which of them are here)."""
     here: set[tuple[str, int]] = set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -24,7 +24,16 @@ from store.errors import InvalidRecordError
 from store.queries.reads import Reader
 from store.shipping.receive import Received, Refused, ShipStatements, receive, resume_point
 from store.shipping.report import ShipProblem, ShipReport
-from store.shipping.source import SourceEvent, Unshippable, batches, count_between, last_seq
+from store.shipping.source import (
+    Shippable,
+    SourceEvent,
+    Unshippable,
+    Unverified,
+    batches,
+    count_between,
+    last_seq,
+    unverified,
+)
 
 Progress = Callable[[int, int], object]
 T = TypeVar("T")
@@ -140,19 +149,30 @@ def ship_log(
     bad: Unshippable | None = None
     read = 0
     with send:
-        for chunk in batches(source, source_id, start, head, _read_size(bounds.limit), _chunk_size(bounds.limit)):
+        if send.inline:
+            # One batch: read at once and verified in the target's transaction, each event just
+            # before it is appended, while the ones before it stream to the server.
+            events = unverified(source, source_id, start, head, _read_size(bounds.limit))
             if bounds.limit is not None:
-                chunk = chunk[: bounds.limit - read]
-            read += len(chunk)
-            verified, bad = _until_unshippable(chunk)
-            if not send.offer(verified):
-                bad = None  # stopped at the problem: nothing after it is sent
-                break
-            if bad is not None:
-                break  # the events before the damaged one go; shipping stops at it
-            stopped = bounds.reached(read)
-            if stopped is not None:
-                break
+                events = events[: bounds.limit]
+            read = len(events)
+            if send.offer(events):
+                stopped = bounds.reached(read)
+        else:
+            chunks = batches(source, source_id, start, head, _read_size(bounds.limit), _chunk_size(bounds.limit))
+            for chunk in chunks:
+                if bounds.limit is not None:
+                    chunk = chunk[: bounds.limit - read]
+                read += len(chunk)
+                verified, bad = _until_unshippable(chunk)
+                if not send.offer(verified):
+                    bad = None  # stopped at the problem: nothing after it is sent
+                    break
+                if bad is not None:
+                    break  # the events before the damaged one go; shipping stops at it
+                stopped = bounds.reached(read)
+                if stopped is not None:
+                    break
         # What is read and verified goes after the batch in flight; after a deadline or a
         # stop, no batch starts (what was read and not sent is left to the next ship).
         if not send.finish(send_ready=stopped in (None, "limit")):
@@ -195,7 +215,7 @@ class _Sender:
 
     def __init__(
         self,
-        ship_batch: Callable[[list[SourceEvent]], tuple[Received, ShipProblem | None]],
+        ship_batch: Callable[[list[Shippable]], tuple[Received, ShipProblem | None]],
         tally: _Tally,
         progress: Progress | None,
         *,
@@ -205,9 +225,10 @@ class _Sender:
         self._tally = tally
         self._progress = progress
         # ``inline``: each batch is written by the caller's thread when sent (a ship of one batch).
+        self.inline = inline
         self._writer = None if inline else ThreadPoolExecutor(1)
         self._writing: Future[tuple[Received, ShipProblem | None]] | None = None
-        self._ready: list[SourceEvent] = []
+        self._ready: list[Shippable] = []
         self._ready_bytes = 0
 
     def __enter__(self) -> _Sender:
@@ -217,12 +238,12 @@ class _Sender:
         if self._writer is not None:
             self._writer.shutdown(wait=True)  # a batch in flight commits or fails before the ship returns
 
-    def offer(self, events: list[SourceEvent]) -> bool:
+    def offer(self, events: Sequence[Shippable]) -> bool:
         """Add verified events; send a batch if the writer is free (wait for it when a full batch
         is ready).  False once a batch found a problem: shipping stops there."""
         for event in events:
             self._ready.append(event)
-            self._ready_bytes += event.event.size
+            self._ready_bytes += event.size
         writing = self._writing
         if writing is not None and (writing.done() or self._full()):
             self._writing = None
@@ -254,10 +275,10 @@ class _Sender:
         ``BATCH_BYTES`` stored bytes, at least one event."""
         count = size = 0
         for event in self._ready[:BATCH_EVENTS]:
-            if count and size + event.event.size > BATCH_BYTES:
+            if count and size + event.size > BATCH_BYTES:
                 break
             count += 1
-            size += event.event.size
+            size += event.size
         batch, self._ready = self._ready[:count], self._ready[count:]
         self._ready_bytes -= size
         if self._writer is not None:
@@ -314,12 +335,13 @@ def _ship_batch(
     statements: ShipStatements,
     source_id: str,
     target_id: str,
-    items: list[SourceEvent],
+    items: list[Shippable],
     expected: int | None = None,
 ) -> tuple[Received, ShipProblem | None]:
-    """Apply ``items`` in one target transaction; a refusal ships the events before it, then reports it."""
+    """Apply ``items`` in one target transaction; a refusal ships the events before it, then
+    reports it, as does an unverified item that fails verification (``Received.unshippable``)."""
 
-    def work(chosen: list[SourceEvent]) -> Callable[[WriteTransaction], Received]:
+    def work(chosen: list[Shippable]) -> Callable[[WriteTransaction], Received]:
         return lambda tx: receive(tx, statements, source_id, target_id, chosen, expected)
 
     if not items:
@@ -334,14 +356,28 @@ def _ship_batch(
     if received.conflict is not None:
         source_seq, reason = received.conflict
         return received, _problem("conflict", _at(items, source_seq), reason)
+    if received.unshippable is not None:
+        return received, _corrupt(received.unshippable)
     return received, None
 
 
-def _at(items: list[SourceEvent], source_seq: int) -> SourceEvent:
+def _at(items: list[Shippable], source_seq: int) -> Shippable:
     return next(item for item in items if item.source_seq == source_seq)
 
 
-def _problem(code: str, item: SourceEvent, reason: str) -> ShipProblem:
+def _problem(code: str, item: Shippable, reason: str) -> ShipProblem:
+    if isinstance(item, Unverified):  # refused once verified: its columns are its event's
+        row = item.row
+        return ShipProblem(
+            code,
+            reason,
+            item.source_seq,
+            item.origin.store_id,
+            item.origin.seq,
+            row.get("staging_key"),
+            row.get("rollout_id"),
+            row.get("model_call_id"),
+        )
     event = item.event
     return ShipProblem(
         code,

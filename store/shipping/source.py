@@ -39,6 +39,33 @@ class SourceEvent:
     digest: str | None  # a record's verified digest
     joined: EventOrigin | None = None  # a worker's leave: the identity of its join event
 
+    @property
+    def size(self) -> int:
+        return self.event.size
+
+
+@dataclass(frozen=True)
+class Unverified:
+    """A source event read and not verified yet: the target's write transaction verifies it
+    (``verify``) just before it would append it, so a batch's events stream to the target's
+    server while the next ones are verified (a ship of one batch: a replicated cut's).  Its
+    columns, as read, name it for the batch's lookups; nothing of it is appended unverified,
+    and a batch stops at the first that fails (the ones before it commit)."""
+
+    source_seq: int
+    origin: EventOrigin
+    row: Mapping[str, Any]
+    source: Reader
+    store_id: str
+    size: int  # its stored bytes, as read (a batch's size bound)
+
+    def verify(self) -> SourceEvent | Unshippable:
+        """What ``batches`` makes of it: the event to append, or why it cannot ship."""
+        return _checked(self.source, self.store_id, self.row, self.origin)
+
+
+Shippable = SourceEvent | Unverified
+
 
 @dataclass(frozen=True)
 class Unshippable:
@@ -104,33 +131,60 @@ def batches(
     """Source events with ``after < seq <= upto`` in sequence order, verified: ``size`` rows
     read at a time, each read on a connection of its own (released before they are verified),
     handed on as they are verified, ``chunk`` at a time."""
-    names = tuple(column.name for column in schema.events.c)
     while after < upto:
-        with source.connection("reading the log to ship") as connection:
-            statements = _source_statements(connection)
-            values = {"after": after, "upto": upto, "size": size, "skip": 0}
-            result = connection.exec_driver_sql(statements.rows.sql, statements.rows.params(values))
-            rows = [dict(zip(names, row, strict=True)) for row in result.fetchall()]
-            if not rows:
-                connection.rollback()
-                return
+        rows, origins = _read(source, after, upto, size)
+        if not rows:
+            return
+        for begin in range(0, len(rows), chunk):
+            batch: list[SourceEvent | Unshippable] = []
+            for row in rows[begin : begin + chunk]:
+                seq = int(row["seq"])
+                batch.append(_checked(source, store_id, row, origins.get(seq) or EventOrigin(store_id, seq)))
+            yield batch
+        after = int(rows[-1]["seq"])
+
+
+def unverified(source: Reader, store_id: str, after: int, upto: int, size: int) -> list[Unverified]:
+    """The first ``size`` source events with ``after < seq <= upto``, in sequence order, read in
+    one go and left for the target's transaction to verify (``Unverified``)."""
+    rows, origins = _read(source, after, upto, size)
+    found = []
+    for row in rows:
+        seq = int(row["seq"])
+        size = sum(len(row[name]) for name in _STORED if isinstance(row[name], bytes))
+        found.append(Unverified(seq, origins.get(seq) or EventOrigin(store_id, seq), row, source, store_id, size))
+    return found
+
+
+_NAMES = tuple(column.name for column in schema.events.c)
+_STORED = ("body", "token_ids", "token_mask", "log_probs")
+
+
+def _read(source: Reader, after: int, upto: int, size: int) -> tuple[list[dict[str, Any]], dict[int, EventOrigin]]:
+    """Up to ``size`` rows with ``after < seq <= upto``, and the shipped identities among them,
+    on a connection of their own (released before anything is verified)."""
+    with source.connection("reading the log to ship") as connection:
+        statements = _source_statements(connection)
+        values = {"after": after, "upto": upto, "size": size, "skip": 0}
+        result = connection.exec_driver_sql(statements.rows.sql, statements.rows.params(values))
+        rows = [dict(zip(_NAMES, row, strict=True)) for row in result.fetchall()]
+        origins: dict[int, EventOrigin] = {}
+        if rows:
             last = int(rows[-1]["seq"])
             # The identities of the events just read (written in the transaction that appended them).
             found = connection.exec_driver_sql(
                 statements.origins.sql, statements.origins.params({"after": after, "last": last})
             )
             origins = {int(seq): EventOrigin(str(origin), int(origin_seq)) for seq, origin, origin_seq in found}
-            connection.rollback()  # no snapshot held between reads
-        for begin in range(0, len(rows), chunk):
-            batch: list[SourceEvent | Unshippable] = []
-            for row in rows[begin : begin + chunk]:
-                seq = int(row["seq"])
-                item = _verified(row, origins.get(seq) or EventOrigin(store_id, seq))
-                if isinstance(item, SourceEvent) and isinstance(item.event.body, WorkerBody):
-                    item = _with_join(source, store_id, item, item.event.body)
-                batch.append(item)
-            yield batch
-        after = last
+        connection.rollback()  # no snapshot held between reads
+    return rows, origins
+
+
+def _checked(source: Reader, store_id: str, row: Mapping[str, Any], origin: EventOrigin) -> SourceEvent | Unshippable:
+    item = _verified(row, origin)
+    if isinstance(item, SourceEvent) and isinstance(item.event.body, WorkerBody):
+        item = _with_join(source, store_id, item, item.event.body)
+    return item
 
 
 def _with_join(source: Reader, store_id: str, item: SourceEvent, body: WorkerBody) -> SourceEvent:
