@@ -281,20 +281,27 @@ def test_a_cut_reads_its_keys_seqs_once_its_chunks_are_in_the_replica(
 ) -> None:
     """A replicated cut waits for the ship of the chunks it just committed (their last seq is at or
     above every key's) before it reads the seqs of the keys its acknowledgements name: that read
-    never runs beside the shipping thread's reading and verifying."""
+    never runs beside the shipping thread's reading and verifying.  Only the keys of earlier
+    chunks are read: a first cut reads none, the next one its calls' first chunks."""
     from store.shipping import replica as replication
 
-    seen: list[tuple[int, int]] = []  # (the replica's watermark when the seqs are read, the highest seq)
+    seen: list[tuple[int, int, int]] = []  # (keys read, the replica's watermark then, the highest seq)
     original = replication.key_seqs
 
     def recording(reader: object, keys: list[str]) -> dict[str, int]:
         found = original(reader, keys)  # type: ignore[arg-type]
-        seen.append((worker._replicator.through, max(found.values())))  # type: ignore[union-attr]
+        seen.append((len(keys), worker._replicator.through, max(found.values())))  # type: ignore[union-attr]
         return found
 
     with open_store(tmp_path / "w.db", replica=replica_path(tmp_path), domain="replicated") as worker:
         monkeypatch.setattr(replication, "key_seqs", recording)
-        capture, _, receipt = rh.serve_until_cut(worker, CALLS, 5)
-        assert [ack.disposition for ack in receipt.prefixes] == ["durable_prefix"] * len(CALLS)
+        capture, live, first = rh.serve_until_cut(worker, CALLS, 5)
+        assert [ack.disposition for ack in first.prefixes] == ["durable_prefix"] * len(CALLS)
+        assert seen == []
+        for call, active in live.items():
+            rh.decode(capture, active, call, 5, 7)
+        second = capture.serve_generation_cut(rh.inventory("checkpoint-2", CALLS))
+        assert [ack.disposition for ack in second.prefixes] == ["durable_prefix"] * len(CALLS)
+        assert [len(ack.staging_keys) for ack in second.prefixes] == [2] * len(CALLS)
         capture.close()
-    assert seen and all(through >= highest for through, highest in seen), seen
+    assert len(seen) == 1 and seen[0][0] == len(CALLS) and seen[0][1] >= seen[0][2], seen

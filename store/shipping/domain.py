@@ -8,7 +8,7 @@ the shipping thread and its watermark are ``store.shipping.replica``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from store import arguments
 from store.errors import ConfigurationError, ReplicaUnavailableError
@@ -64,19 +64,31 @@ class DurabilityDomain:
         return self._replication().reach(seq, time.monotonic() + wait)
 
     @operation
-    def _replicated_keys(self, keys: Sequence[str], deadline: float, staged_through: int | None = None) -> set[str]:
+    def _replicated_keys(
+        self,
+        keys: Sequence[str],
+        deadline: float,
+        staged_through: int | None = None,
+        staged: Collection[str] = (),
+    ) -> set[str]:
         """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``.
 
         ``staged_through``: the last seq the caller just committed, at or above every key's
         event: the ship up to it is waited for first and the keys' seqs are read after it, so
         that read never competes for the interpreter with the shipping thread's reading and
-        verifying (with two busy threads each waits out the other's switch interval)."""
+        verifying (with two busy threads each waits out the other's switch interval).
+        ``staged``: the keys of that commit (each holds its record, at a seq up to
+        ``staged_through``): only the others' seqs are read (a cut's first chunks: none)."""
         replicator = self._replication()
         if staged_through is not None:
             replicator.reach(staged_through, deadline)
         else:
             replicator.poke()  # their events are committed: the ship starts while their seqs are read
-        seqs = replication.key_seqs(self._reader, keys)
+        known = set(staged) if staged_through is not None else set()
+        others = [key for key in keys if key not in known]
+        seqs = replication.key_seqs(self._reader, others) if others else {}
+        if staged_through is not None:
+            seqs.update((key, staged_through) for key in keys if key in known)
         return replication.in_replica(replicator, seqs, deadline)
 
     def _replication(self) -> replication.Replicator:

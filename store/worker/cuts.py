@@ -383,14 +383,17 @@ class CutServer:
         most), and make ``durable_failure`` of each acknowledgement whose records are not there."""
         entries = [plan.entry for plan in plans if plan.entry is not None]
         staged_through = None
+        staged: set[str] = set()
         if entries:
-            staged_through = getattr(self._store.stage_all(entries), "_last_seq", None)
+            results = self._store.stage_all(entries)
+            staged_through = getattr(results, "_last_seq", None)
+            staged = {result.staging_key for result in results if result.ok and result.staging_key is not None}
             for plan in plans:
                 if plan.entry is not None:
                     plan.live.seal(plan.entry.staging_key)
                     plan.sealed = True
         named = sorted({key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys})
-        there = self._store._replicated_keys(named, deadline, staged_through)
+        there = self._store._replicated_keys(named, deadline, staged_through, staged)
         final = []
         for ack in acks:
             if ack.disposition == "durable_prefix" and not all(key in there for key in ack.staging_keys):
