@@ -474,10 +474,11 @@ def test_a_receipt_ships_in_one_round_trip_before_its_commit(
 def test_a_ship_of_one_batch_verifies_each_event_just_before_appending_it(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A ship of one batch (a replicated cut's) reads its events and verifies each one in the
-    target's transaction just before appending it, so the ones before it stream to the server
-    meanwhile; a damaged one still stops the batch there (the ones before it commit) and is
-    reported as before, and nothing of it reaches the target."""
+    """A ship of one batch (a replicated cut's) reads its events and verifies them in the target's
+    transaction: the first half while the server runs the batch's reads, each of the rest just
+    before it is appended (the ones before it stream to the server meanwhile).  A damaged one
+    still stops the batch there (the ones before it commit) and is reported as before, and
+    nothing of it reaches the target."""
     from store.append.transaction import WriteTransaction
     from store.shipping import source as shipping_source
 
@@ -500,7 +501,7 @@ def test_a_ship_of_one_batch_verifies_each_event_just_before_appending_it(
         monkeypatch.setattr(WriteTransaction, "append", appending)
         report = source.ship(target)
         monkeypatch.undo()
-        assert order == ["verify r1", "append r1", "verify r2", "append r2", "verify r3"], order
+        assert order == ["verify r1", "verify r2", "append r1", "append r2", "verify r3"], order
         assert not report.ok
         [problem] = report.problems
         assert (problem.code, problem.source_seq, problem.staging_key) == ("corrupt", 3, "r3/call-1")

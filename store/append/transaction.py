@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, stored_event_row, this_writer
@@ -200,6 +200,7 @@ class WriteTransaction:
         streams: Sequence[Stream],
         appends: int,
         also: Sequence[tuple[Statement, dict[str, Any]]] = (),
+        meanwhile: Callable[[], object] | None = None,
     ) -> list[list[Any]]:
         """PostgreSQL: read the stage lookups of ``streams`` ((rollout, call, key) each; key None:
         a stream's fence and last version only) with one statement, and take the seqs of
@@ -208,11 +209,16 @@ class WriteTransaction:
         no other statement run).  SQLite: nothing to gain.
 
         ``also``: other modules' read statements (as ``run`` takes them), sent in the same round
-        trip, before the lookups; their rows are returned, in order (run one by one on SQLite)."""
+        trip, before the lookups; their rows are returned, in order (run one by one on SQLite).
+        ``meanwhile``: called once everything is sent, before anything is waited for (the
+        caller's own work while the server runs the reads)."""
         statement = self._sql.stage_lookups
         side_cursor = getattr(self._cursor, "side_cursor", None)
         if statement is None or side_cursor is None:
-            return [self.run(run, values).fetchall() for run, values in also]
+            found = [self.run(run, values).fetchall() for run, values in also]
+            if meanwhile is not None:
+                meanwhile()
+            return found
         if also:
             self._forget_all_ahead()  # as ``run`` does
         self.flush()
@@ -232,7 +238,11 @@ class WriteTransaction:
                     "staging_keys": [stream[2] for stream in wanted],
                 }
                 cursors.append(side_cursor())
-                rows = cursors[-1].execute(statement.sql, statement.params(lookups)).fetchall()
+                cursors[-1].execute(statement.sql, statement.params(lookups))
+            if meanwhile is not None:
+                meanwhile()
+            if wanted:
+                rows = cursors[-1].fetchall()
             found = [cursor.fetchall() for cursor in cursors[: len(also)]]
         finally:
             for cursor in cursors:
