@@ -509,3 +509,34 @@ def test_a_ship_of_one_batch_verifies_each_event_just_before_appending_it(
         assert report.last_seq == 2 and raw_event_count(target) == 2 and report.remaining == 2
         report = source.ship(target)  # it stops there again: nothing after it goes
         assert not report.ok and report.appended == 0 and raw_event_count(target) == 2
+
+
+def test_a_batch_of_some_dozens_copies_only_its_events(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a ship's batch of 16 or more events streams its events as COPY; the rows
+    of the smaller tables (keys, calls, shipped identities) go as COPY only from COPY_MANY_ROWS
+    of them, fewer as one statement each, sent with the COMMIT without a wait of their own."""
+    if "://" not in store_url:
+        pytest.skip("SQLite sends no COPY")
+    from store.append.transaction import COPY_MANY_ROWS, COPY_MIN_ROWS
+    from store.log.write_transaction import _PipelinedCursor
+
+    copied: list[str] = []
+    copy_rows = _PipelinedCursor.copy_rows
+
+    def recording(self: _PipelinedCursor, statement: str, types: Any, rows: Any) -> None:
+        copied.append(statement.split("(")[0])
+        copy_rows(self, statement, types, rows)
+
+    count = COPY_MIN_ROWS + 8
+    assert count < COPY_MANY_ROWS
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        assert source.stage_all([_entry(f"r{n}") for n in range(count)]) is not None
+        monkeypatch.setattr(_PipelinedCursor, "copy_rows", recording)
+        report = source.ship(target)
+        monkeypatch.undo()
+        assert report.ok and report.appended == count, report.summary()
+        assert copied == [], copied
+        assert_target_reads_like_source(source, target)
+        assert target.audit().ok and target.replay().ok

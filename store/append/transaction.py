@@ -43,10 +43,16 @@ class StageLookup(NamedTuple):
     last_version: int  # the stream's highest stream_version, 0 for a new stream
 
 
-# Inside ``WriteTransaction.bulk``, an insert queued before it began, or given to ``run_many``,
-# goes out as COPY from this many rows (each COPY waits for the statements sent before it: a
-# round trip of its own); the calls and keys rows the bulk work itself inserts always do.
+# A ship's batch of this many events runs inside ``WriteTransaction.bulk`` (its events stream
+# to the server as COPY); a smaller one (a cut's receipt) sends its events as statements with
+# the COMMIT (each COPY waits for the statements sent before it: a round trip of its own).
 COPY_MIN_ROWS = 16
+# Inside ``bulk``, the rows of the smaller tables (calls, keys, a ship's identities: an insert
+# queued, or given to ``run_many``) go out as COPY only from this many: fewer go as one
+# statement each (``unnest``), sent with the COMMIT without a wait of their own (a COPY of
+# them waits for the server twice: a cut's ship of 64 events waited about 1 ms for its keys
+# and identities that way).  The events themselves always stream as COPY.
+COPY_MANY_ROWS = 256
 
 Stream = tuple[str, str, str | None]  # a read-ahead lookup's (rollout, call, staging key or None)
 
@@ -120,7 +126,7 @@ class WriteTransaction:
         as one ``COPY``, inside ``bulk``."""
         self._forget_all_ahead()
         self.flush()
-        if copy is not None and self._bulk and len(rows) >= COPY_MIN_ROWS:
+        if copy is not None and self._bulk and len(rows) >= COPY_MANY_ROWS:
             sql, names, types = copy
             self._cursor.copy_rows(sql, types, map(operator.itemgetter(*names), rows))
             return
@@ -153,13 +159,18 @@ class WriteTransaction:
         if self._copy_later:
             waiting, self._copy_later = self._copy_later, {}
             for sql, tuples in waiting.items():
-                copy_sql, _, types = self._sql.copy_rows[sql]
-                self._cursor.copy_rows(copy_sql, types, tuples)
+                copy_sql, names, types = self._sql.copy_rows[sql]
+                many = self._sql.many_rows.get(sql)
+                if len(tuples) >= COPY_MANY_ROWS or many is None or many[1] != names:
+                    self._cursor.copy_rows(copy_sql, types, tuples)
+                    continue
+                unnest, _ = many  # one statement, its columns in the tuples' order
+                self._cursor.execute(unnest, dict(zip(names, map(list, zip(*tuples, strict=True)), strict=True)))
         if self._later:
             later, self._later = self._later, {}
             many_rows = self._sql.many_rows
             for sql, rows in later.items():
-                copy = self._sql.copy_rows.get(sql) if self._bulk and len(rows) >= COPY_MIN_ROWS else None
+                copy = self._sql.copy_rows.get(sql) if self._bulk and len(rows) >= COPY_MANY_ROWS else None
                 if copy is not None:
                     copy_sql, names, types = copy
                     self._cursor.copy_rows(copy_sql, types, map(operator.itemgetter(*names), rows))
