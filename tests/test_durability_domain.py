@@ -305,3 +305,42 @@ def test_a_cut_reads_its_keys_seqs_once_its_chunks_are_in_the_replica(
         assert [len(ack.staging_keys) for ack in second.prefixes] == [2] * len(CALLS)
         capture.close()
     assert len(seen) == 1 and seen[0][0] == len(CALLS) and seen[0][1] >= seen[0][2], seen
+
+
+def test_a_replicated_cut_ships_its_events_without_reading_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cut's chunks and its receipt ship as this process wrote them (the write path hands
+    each commit's events to the replicator), verified, not read back from the log; the replica
+    alone still continues every call."""
+    from store.shipping import replica as replication
+    from store.shipping import source as shipping_source
+
+    monkeypatch.setattr(replication, "FOLLOW_INTERVAL", 60.0)  # no ship but the ones the cut asks for
+    reads: list[tuple[int, int]] = []
+    read = shipping_source._read
+
+    def recording(source: object, after: int, upto: int, size: int) -> object:
+        reads.append((after, upto))
+        return read(source, after, upto, size)  # type: ignore[arg-type]
+
+    reference = rh.uninterrupted(open_store(tmp_path / "reference.db"), CALLS)
+    replica = replica_path(tmp_path)
+    with open_store(tmp_path / "w.db", replica=replica, domain="replicated") as worker:
+        capture = rh.capture_on(worker)
+        root = rh.stage_root(capture)
+        live = {call: rh.admit(capture, root, call) for call in CALLS}
+        for call, active in live.items():
+            rh.decode(capture, active, call, 0, 5)
+        assert worker.replicate(wait=10.0)
+        monkeypatch.setattr(shipping_source, "_read", recording)
+        receipt = capture.serve_generation_cut(rh.inventory("checkpoint-1", CALLS))
+        monkeypatch.setattr(shipping_source, "_read", read)
+        assert [ack.disposition for ack in receipt.prefixes] == ["durable_prefix"] * len(CALLS)
+        assert reads == [], reads
+        capture.close()
+    with open_store(replica) as restored:
+        assert restored.cut_receipts() == [receipt]
+        for call in CALLS:
+            assert rh.continue_from(restored, call) == reference[call]
+        assert restored.audit().ok

@@ -78,10 +78,10 @@ class ReplicaMachine(RuleBasedStateMachine):
         replicator = self.store._replication()
         real = replicator._ship
 
-        def ship(replica: Store, bounds: Any, start: int | None) -> Any:
+        def ship(replica: Store, bounds: Any, start: int | None, recent: Any = None) -> Any:
             if self.down.is_set():
                 raise ServerUnavailableError("the replica is unreachable (the machine cut it off)")
-            return real(replica, bounds, start)
+            return real(replica, bounds, start, recent)
 
         replicator._ship = ship  # type: ignore[method-assign]
         assert self.store.replicate(wait=10.0)

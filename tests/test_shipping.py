@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -540,3 +541,103 @@ def test_a_batch_of_some_dozens_copies_only_its_events(
         assert copied == [], copied
         assert_target_reads_like_source(source, target)
         assert target.audit().ok and target.replay().ok
+
+
+def _kept_source(path: Path) -> tuple[Store, Any]:
+    """A worker store whose commits hand their rows to a ``Recent``, as a replicated store's do."""
+    from store.shipping.replica import Recent
+
+    source = open_store(str(path))
+    recent = Recent()
+    source._keep_committed(recent.remember)
+    return source, recent
+
+
+def test_a_ship_of_events_this_process_committed_reads_none_of_them_back(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replicator's ship of events this process just committed takes them as written (the
+    write path hands them on after its commit) instead of reading them back from the log, and
+    verifies them the same: the target reads like the source."""
+    from store.shipping import source as shipping_source
+    from store.shipping.ship import Bounds
+
+    reads: list[tuple[int, int]] = []
+    read = shipping_source._read
+
+    def recording(source: Any, after: int, upto: int, size: int) -> Any:
+        reads.append((after, upto))
+        return read(source, after, upto, size)
+
+    source, recent = _kept_source(tmp_path / "worker.db")
+    with source, open_store(store_url) as target:
+        assert source.stage_all([_entry(f"r{n}") for n in range(20)]) is not None
+        monkeypatch.setattr(shipping_source, "_read", recording)
+        report = source._ship_round(target, Bounds(), None, recent)
+        assert report.ok and report.appended == 20, report.summary()
+        assert reads == [], reads
+        assert source.stage(make_record(rollout_id="later")).ok
+        report = source._ship_round(target, Bounds(), report.last_seq, recent)
+        assert report.ok and report.appended == 1 and reads == [], (report.summary(), reads)
+        recent.shipped(report.last_seq)  # (the replicator's, after each ship)
+        assert recent.rows(0, 1) is None and recent.rows(report.last_seq - 1, report.last_seq) is None
+        assert_target_reads_like_source(source, target)
+        assert target.audit().ok and target.replay().ok
+
+
+@pytest.mark.parametrize("remover", ["this process", "another process", "no later event"])
+def test_kept_events_removed_since_are_read_from_the_log_instead(store_url: str, tmp_path: Path, remover: str) -> None:
+    """Events this process committed and kept, then removed (``delete``) before they shipped, are
+    not shipped from what was kept: a removal in this process forgets everything kept (another
+    module wrote in its commit), one in another process (another handle on the file) leaves the
+    kept rows with seqs the log no longer holds, and the ship reads the log instead -- also when
+    nothing was appended after the removal (the ship checks the kept seqs are all in the log)."""
+    from store.shipping.ship import Bounds
+
+    source, recent = _kept_source(tmp_path / "worker.db")
+    with source, open_store(store_url) as target:
+        assert source.stage_all([_entry("gone"), _entry("kept")]) is not None
+        assert recent.rows(0, 2) is not None
+        if remover == "this process":
+            source.delete(["gone"])
+            assert recent.rows(0, 2) is None
+        elif remover == "another process":
+            with open_store(str(tmp_path / "worker.db")) as other:
+                other.delete(["gone"])
+            assert recent.rows(0, 2) is not None  # (the other handle's commits are not seen here)
+        else:  # the first event's rows gone, behind the store's back, the second still the last
+            with sqlite3.connect(tmp_path / "worker.db") as raw:
+                raw.execute("DELETE FROM staged_keys WHERE rollout_id = 'gone'")
+                raw.execute("DELETE FROM calls WHERE rollout_id = 'gone'")
+                raw.execute("DELETE FROM events WHERE rollout_id = 'gone'")
+            raw.close()
+        report = source._ship_round(target, Bounds(), None, recent)
+        assert report.ok, report.summary()
+        assert [info.rollout_id for info in target.staged_keys()] == ["kept"]
+        assert_target_reads_like_source(source, target)
+
+
+def test_rows_of_a_caller_rolled_back_to_its_savepoint_are_not_kept(tmp_path: Path) -> None:
+    """A caller of a shared batch that fails is rolled back to its savepoint: its events never
+    commit, and none of them is handed on; the other callers' events are."""
+    from store.append.new_event import NewEvent
+    from store.log.events import EventKind
+
+    handed: list[list[int] | None] = []
+    with open_store(str(tmp_path / "worker.db")) as source:
+        source._keep_committed(lambda rows: handed.append(None if rows is None else [seq for seq, _ in rows]))
+        record = make_record(rollout_id="r1")
+        event = source._record_event(record, None, EventKind.CALL_COMPLETED, None, None)
+        assert isinstance(event, NewEvent)
+
+        def work(tx: Any) -> None:
+            tx.savepoint("op0")
+            tx.append(event)
+            tx.rollback_to("op0")
+            tx.savepoint("op1")
+            tx.append(event)
+            tx.release("op1")
+
+        source._log.write(work)
+        assert handed == [[1]], handed
+        assert [key.rollout_id for key in source.staged_keys()] == ["r1"]

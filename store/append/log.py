@@ -154,6 +154,9 @@ class EventLog:
         # own guard decides what is written.
         self._known_streams: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._guessing = False  # the batch being written may guess (``WriteTransaction.guess_new_stream``)
+        # SQLite: called after each commit with the events it appended, (seq, row) each as
+        # written, or None when another module wrote in it too (``WriteTransaction.kept``).
+        self.on_commit: Callable[[list[tuple[int, tuple[Any, ...]]] | None], None] | None = None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -398,8 +401,14 @@ class EventLog:
         began = time.monotonic()
         guess = self._guessing and not isolate
         with raw_write_transaction(connection, self._backend, durable=durable, mode_set=mode_set) as cursor:
+            on_commit = self.on_commit
             transaction = WriteTransaction(
-                cursor, self._statements, self._appender, guess=guess, known_streams=self._known_streams
+                cursor,
+                self._statements,
+                self._appender,
+                guess=guess,
+                known_streams=self._known_streams,
+                keep_rows=on_commit is not None and not self._backend.pipelined,
             )
             if len(batch) > 1:  # a lone stage reads its lookup in the round trip of its BEGIN
                 streams = [stream for pending in batch for stream in pending.ahead]
@@ -427,6 +436,8 @@ class EventLog:
         if unsynced and self._wal_path is not None:
             sync_file(self._wal_path)
         self._last_commit_seconds = time.perf_counter() - committing
+        if on_commit is not None and (transaction.foreign or transaction.kept):
+            on_commit(transaction.kept)
         self._after_commit(connection, transaction.appended_bytes)
         if transaction.guessed is not None:
             try:

@@ -74,6 +74,7 @@ class WriteTransaction:
         *,
         guess: bool = False,
         known_streams: Container[tuple[str, str]] = (),
+        keep_rows: bool = False,
     ) -> None:
         self._cursor = cursor
         self._sql = statements
@@ -107,9 +108,22 @@ class WriteTransaction:
         # each), sent as one statement by ``flush``, after the inserts (a row updated may be one
         # inserted in this transaction): a cut of 64 existing calls sends one update, not 64.
         self._calls_later: dict[tuple[str, str], tuple[Any, ...]] = {}
+        # SQLite, ``keep_rows``: each appended event's seq and row as written (``kept``), handed
+        # on once the transaction commits (``EventLog``'s ``on_commit``: the replicator ships
+        # them without reading them back).  ``foreign``: another module's statement ran here
+        # (a ship's identities, retention's deletes): no row of it is handed on.
+        self.kept: list[tuple[int, tuple[Any, ...]]] | None = [] if keep_rows else None
+        self.foreign = False
+        self._kept_marks: dict[str, int] = {}
+
+    def _not_own(self) -> None:
+        """Another module writes in this transaction (its rows are not only appended events)."""
+        self.foreign = True
+        self.kept = None
 
     def run(self, statement: Statement, values: dict[str, Any]) -> Any:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
+        self._not_own()
         self._forget_all_ahead()  # it may change what a read-ahead lookup saw
         return self._execute(statement, values)
 
@@ -124,6 +138,7 @@ class WriteTransaction:
         """Run ``statement`` once per row; ``unnest`` (PostgreSQL, ``statements.unnest_insert``):
         the same insert as one statement for all the rows; ``copy`` (``statements.copy_insert``):
         as one ``COPY``, inside ``bulk``."""
+        self._not_own()
         self._forget_all_ahead()
         self.flush()
         if copy is not None and self._bulk and len(rows) >= COPY_MANY_ROWS:
@@ -225,6 +240,8 @@ class WriteTransaction:
         caller's own work while the server runs the reads)."""
         statement = self._sql.stage_lookups
         side_cursor = getattr(self._cursor, "side_cursor", None)
+        if also:
+            self._not_own()
         if statement is None or side_cursor is None:
             found = [self.run(run, values).fetchall() for run, values in also]
             if meanwhile is not None:
@@ -479,6 +496,8 @@ class WriteTransaction:
                 self._insert_later(sql.insert_event_at, stored)
         else:  # SQLite (PostgreSQL's pipelined cursor always takes seqs ahead)
             seq = int(self._insert(sql.insert_event, sql.event_tuple, EVENT_INSERT_COLUMNS, event_row).lastrowid)
+            if self.kept is not None:
+                self.kept.append((seq, event_row))
         self.appended += 1
         self.appended_bytes += new.size
         self.last_seq = seq
@@ -574,6 +593,8 @@ class WriteTransaction:
     def savepoint(self, name: str) -> None:
         self.flush()
         self._cursor.execute(f"SAVEPOINT {name}")
+        if self.kept is not None:
+            self._kept_marks[name] = len(self.kept)
 
     def release(self, name: str) -> None:
         self.flush()
@@ -588,3 +609,5 @@ class WriteTransaction:
         if abandon_copy is not None:  # its rows still streaming go too
             abandon_copy(RuntimeError("rolled back to its savepoint"))
         self._cursor.execute(f"ROLLBACK TO SAVEPOINT {name}")
+        if self.kept is not None:
+            del self.kept[self._kept_marks.get(name, 0) :]  # its rows were never committed

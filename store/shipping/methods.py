@@ -21,7 +21,9 @@ from store.queries.reads import Reader
 from store.shipping import identity
 
 if TYPE_CHECKING:
+    from store.append.log import EventLog
     from store.shipping import EventOrigin, ShipReport
+    from store.shipping.replica import Recent
     from store.shipping.ship import Bounds
 
 
@@ -35,6 +37,7 @@ class LogShipping:
     _check_process: Callable[[], None]
 
     _write: Callable[..., Any]  # Store._write: the target's write path
+    _log: EventLog
 
     @property
     def url(self) -> str:
@@ -91,11 +94,22 @@ class LogShipping:
         return follow_log(lambda: self._ship_round(to, Bounds(stop=stop)), stop, wait, on_round)
 
     @operation
-    def _ship_round(self, to: LogShipping, bounds: Bounds, start: int | None = None) -> ShipReport:
-        return self._ship(to, None, bounds, start)
+    def _ship_round(
+        self, to: LogShipping, bounds: Bounds, start: int | None = None, recent: Recent | None = None
+    ) -> ShipReport:
+        return self._ship(to, None, bounds, start, recent)
+
+    def _keep_committed(self, on_commit: Callable[[list[tuple[int, tuple[Any, ...]]] | None], None]) -> None:
+        """Hand each commit's appended events to ``on_commit`` (the replicator's ``Recent``)."""
+        self._log.on_commit = on_commit
 
     def _ship(
-        self, to: LogShipping, progress: Callable[[int, int], object] | None, bounds: Bounds, start: int | None = None
+        self,
+        to: LogShipping,
+        progress: Callable[[int, int], object] | None,
+        bounds: Bounds,
+        start: int | None = None,
+        recent: Recent | None = None,
     ) -> ShipReport:
         if not isinstance(to, LogShipping):
             raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
@@ -104,7 +118,7 @@ class LogShipping:
         from store.shipping.ship import ShipTarget, ship_log
 
         target = ShipTarget(to.url, to._engine, to._known_id, to._write)
-        return ship_log(self._known_id(), self._reader, target, progress, bounds, start)
+        return ship_log(self._known_id(), self._reader, target, progress, bounds, start, recent)
 
     @property
     def store_id(self) -> str:

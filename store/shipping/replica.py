@@ -14,6 +14,7 @@ back-off, until the replica answers again, so acknowledgements resume by themsel
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from store.append.new_event import EVENT_INSERT_COLUMNS
 from store.append.statements import held_keys_binds, held_keys_statement
 from store.errors import ConfigurationError, StoreClosedError, StoreError
 from store.queries.reads import Reader
@@ -46,6 +48,10 @@ MAX_REPLICA_WAIT = 600.0
 FOLLOW_INTERVAL = 0.5
 RETRY_FIRST = 0.05
 RETRY_MOST = 1.0
+# The events this process committed and the replica may not hold yet, kept as written (a ship
+# of them reads nothing back): at most this many, and this many stored bytes.
+RECENT_EVENTS = 4096
+RECENT_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,7 @@ class Replicator:
     def __init__(
         self,
         open_replica: Callable[[], ReplicaStore],
-        ship: Callable[[Any, Bounds, int | None], ShipReport],
+        ship: Callable[[Any, Bounds, int | None, Recent | None], ShipReport],
         source_id: Callable[[], str],
     ) -> None:
         self._open_replica = open_replica
@@ -140,6 +146,7 @@ class Replicator:
         self.last_error: str | None = None  # the newest failure, for a caller to show
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._recent = Recent()
 
     @property
     def through(self) -> int:
@@ -204,7 +211,7 @@ class Replicator:
             try:
                 if self._replica is None:
                     self._replica = self._open_replica()
-                report = self._ship(self._replica, Bounds(stop=self._stop), start)
+                report = self._ship(self._replica, Bounds(stop=self._stop), start, self._recent)
             except ResumePointMoved as moved:  # the replica lost events (restored, recreated)
                 log.warning("the replica holds less than it was sent (%s); shipping from its own resume point", moved)
                 with self._lock:
@@ -227,6 +234,7 @@ class Replicator:
                 self._through = max(self._through, report.last_seq)
                 self._known = True
                 self._lock.notify_all()
+            self._recent.shipped(report.last_seq)
             if not report.ok:
                 problem = report.problems[0] if report.problems else None
                 self._failed(f"the ship stopped at a problem: {problem}")
@@ -247,6 +255,7 @@ class Replicator:
         self._lock = threading.Condition()
         self._thread = None
         self._known = False
+        self._recent = Recent()
 
     def close(self) -> None:
         """Stop the thread (a batch in flight commits whole) and close the replica store."""
@@ -256,9 +265,67 @@ class Replicator:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        self._recent.remember(None)
         replica, self._replica = self._replica, None
         if replica is not None:
             replica.close()
+
+    def remember(self, rows: list[tuple[int, tuple[Any, ...]]] | None) -> None:
+        """The write path's ``on_commit``: events this process just committed, as written."""
+        self._recent.remember(rows)
+
+
+class Recent:
+    """Events this process committed, (seq, row) as written (``WriteTransaction.kept``), until
+    a ship covers them: a ship of them takes its rows from here, not from the log, and still
+    verifies each (``source.Unverified``).  None from a commit (another module wrote in it: a
+    ship into this store, retention's deletes) forgets everything."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: collections.OrderedDict[int, tuple[dict[str, Any], int]] = collections.OrderedDict()
+        self._bytes = 0
+
+    def remember(self, rows: list[tuple[int, tuple[Any, ...]]] | None) -> None:
+        with self._lock:
+            if rows is None:
+                self._rows.clear()
+                self._bytes = 0
+                return
+            for seq, row in rows:
+                stored = dict(zip(_ROW_NAMES, (seq, *row), strict=True))
+                size = 0
+                for name in _STORED:
+                    value = stored[name]
+                    if value is not None:
+                        if type(value) is not bytes:
+                            value = stored[name] = bytes(value)  # as the log gives it back
+                        size += len(value)
+                self._rows[seq] = (stored, size)
+                self._bytes += size
+            while self._rows and (len(self._rows) > RECENT_EVENTS or self._bytes > RECENT_BYTES):
+                self._bytes -= self._rows.popitem(last=False)[1][1]
+
+    def rows(self, after: int, upto: int) -> list[tuple[dict[str, Any], int]] | None:
+        """The rows of every seq in (after, upto], with their stored bytes; None if any is not here."""
+        with self._lock:
+            found = []
+            for seq in range(after + 1, upto + 1):
+                row = self._rows.get(seq)
+                if row is None:
+                    return None
+                found.append(row)
+            return found
+
+    def shipped(self, through: int) -> None:
+        """Forget what the replica holds now (every seq up to ``through``)."""
+        with self._lock:
+            while self._rows and next(iter(self._rows)) <= through:
+                self._bytes -= self._rows.popitem(last=False)[1][1]
+
+
+_ROW_NAMES = ("seq", *EVENT_INSERT_COLUMNS)
+_STORED = ("body", "token_ids", "token_mask", "log_probs", "checksum")
 
 
 class ReplicaStore(Protocol):
@@ -278,7 +345,11 @@ class SourceStore(Protocol):
 
     def _known_id(self) -> str: ...
 
-    def _ship_round(self, to: Any, bounds: Bounds, start: int | None = None) -> ShipReport: ...
+    def _ship_round(
+        self, to: Any, bounds: Bounds, start: int | None = None, recent: Recent | None = None
+    ) -> ShipReport: ...
+
+    def _keep_committed(self, on_commit: Callable[[list[tuple[int, tuple[Any, ...]]] | None], None]) -> None: ...
 
     def _on_close(self, stop: Callable[[], None]) -> Callable[[], None]: ...
 
@@ -302,6 +373,7 @@ def start(store: SourceStore, options: DomainOptions, open_store: Callable[[str]
 
     replicator = Replicator(open_replica, store._ship_round, store._known_id)
     remove = store._on_close(replicator.close)
+    store._keep_committed(replicator.remember)
     try:
         with replicator._lock:
             replicator._start_thread()

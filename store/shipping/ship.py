@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from sqlalchemy.engine import Engine
 
@@ -31,9 +31,14 @@ from store.shipping.source import (
     Unverified,
     batches,
     count_between,
+    kept,
     last_seq,
+    seqs_between,
     unverified,
 )
+
+if TYPE_CHECKING:
+    from store.shipping.replica import Recent
 
 Progress = Callable[[int, int], object]
 T = TypeVar("T")
@@ -105,12 +110,16 @@ def ship_log(
     progress: Progress | None,
     bounds: Bounds = Bounds(),
     start: int | None = None,
+    recent: Recent | None = None,
 ) -> ShipReport:
     """Ship the source's events after the target's resume point for it, up to the source's last
     event when the ship began (a source that keeps being written still lets it end), within
     ``bounds``.  ``start``: the resume point the shipper knows the target has (its own last ship
     ended there), which saves reading it first; each batch checks it in its transaction and
-    raises ``ResumePointMoved`` (nothing written) when the target's is lower."""
+    raises ``ResumePointMoved`` (nothing written) when the target's is lower.  ``recent``: the
+    events this process committed, as written (the replicator's): a ship of one batch whose
+    every event is there, and still in the log, takes them from there instead of reading them
+    back (verified all the same)."""
     statements = _statements(target.engine)
     if start is None:
         # The target's log refuses a closed store here, before anything of it is read.
@@ -121,10 +130,16 @@ def ship_log(
     target_id = target.known_id()
     if source_id == target_id:
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
+    held = None
     with source.connection("reading the log to ship") as connection:
         head = last_seq(connection)
         # The total is for ``progress`` only: a ship without one (the replicator's) skips the count.
         total = count_between(connection, start, head) if progress is not None else 0
+        if recent is not None and start < head and head - start <= _chunk_size(bounds.limit):
+            held = recent.rows(start, head)
+            # Each of them still in the log (none removed since, by retention in any process).
+            if held is not None and seqs_between(connection, start, head) != list(range(start + 1, head + 1)):
+                held = None
         connection.rollback()
     if bounds.limit is not None:
         total = min(total, bounds.limit)
@@ -152,7 +167,10 @@ def ship_log(
         if send.inline:
             # One batch: read at once and verified in the target's transaction, each event just
             # before it is appended, while the ones before it stream to the server.
-            events = unverified(source, source_id, start, head, _read_size(bounds.limit))
+            if held is not None:
+                events = kept(source, source_id, held)
+            else:
+                events = unverified(source, source_id, start, head, _read_size(bounds.limit))
             if bounds.limit is not None:
                 events = events[: bounds.limit]
             read = len(events)

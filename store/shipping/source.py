@@ -93,6 +93,12 @@ class _SourceStatements:
             .offset(sa.bindparam("skip")),  # (SQLite's LIMIT always renders one)
             engine,
         )
+        self.seqs = Statement(
+            sa.select(events.c.seq)
+            .where(events.c.seq > sa.bindparam("after"), events.c.seq <= sa.bindparam("upto"))
+            .order_by(events.c.seq),
+            engine,
+        )
         self.origins = Statement(
             sa.select(shipped.c.event_seq, shipped.c.origin_store_id, shipped.c.origin_seq).where(
                 shipped.c.event_seq > sa.bindparam("after"), shipped.c.event_seq <= sa.bindparam("last")
@@ -116,6 +122,15 @@ def _source_statements(connection: sa.Connection) -> _SourceStatements:
 def last_seq(connection: sa.Connection) -> int:
     """The source's last event now (0: none): a ship goes no further than this."""
     return int(connection.exec_driver_sql(_source_statements(connection).last_seq).scalar() or 0)
+
+
+def seqs_between(connection: sa.Connection, after: int, upto: int) -> list[int]:
+    """The seqs of the events with ``after < seq <= upto`` (no other column is read)."""
+    statement = _source_statements(connection).seqs
+    return [
+        int(seq)
+        for (seq,) in connection.exec_driver_sql(statement.sql, statement.params({"after": after, "upto": upto}))
+    ]
 
 
 def count_between(connection: sa.Connection, after: int, upto: int) -> int:
@@ -154,6 +169,15 @@ def unverified(source: Reader, store_id: str, after: int, upto: int, size: int) 
         size = sum(len(row[name]) for name in _STORED if isinstance(row[name], bytes))
         found.append(Unverified(seq, origins.get(seq) or EventOrigin(store_id, seq), row, source, store_id, size))
     return found
+
+
+def kept(source: Reader, store_id: str, rows: list[tuple[dict[str, Any], int]]) -> list[Unverified]:
+    """``unverified`` for rows this process committed, as written (``replica.Recent``): its own
+    events (a commit another module wrote in is never kept), verified as any read from the log."""
+    return [
+        Unverified(int(row["seq"]), EventOrigin(store_id, int(row["seq"])), row, source, store_id, size)
+        for row, size in rows
+    ]
 
 
 _NAMES = tuple(column.name for column in schema.events.c)
