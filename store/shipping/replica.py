@@ -283,7 +283,7 @@ class Recent:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rows: collections.OrderedDict[int, tuple[dict[str, Any], int]] = collections.OrderedDict()
+        self._rows: collections.OrderedDict[int, tuple[tuple[Any, ...], int]] = collections.OrderedDict()
         self._bytes = 0
 
     def remember(self, rows: list[tuple[int, tuple[Any, ...]]] | None) -> None:
@@ -293,21 +293,21 @@ class Recent:
                 self._bytes = 0
                 return
             for seq, row in rows:
-                stored = dict(zip(_ROW_NAMES, (seq, *row), strict=True))
                 size = 0
-                for name in _STORED:
-                    value = stored[name]
+                for index in _STORED:
+                    value = row[index]
                     if value is not None:
-                        if type(value) is not bytes:
-                            value = stored[name] = bytes(value)  # as the log gives it back
+                        if type(value) is not bytes:  # as the log gives it back
+                            row = (*row[:index], bytes(value), *row[index + 1 :])
                         size += len(value)
-                self._rows[seq] = (stored, size)
+                self._rows[seq] = ((seq, *row), size)
                 self._bytes += size
             while self._rows and (len(self._rows) > RECENT_EVENTS or self._bytes > RECENT_BYTES):
                 self._bytes -= self._rows.popitem(last=False)[1][1]
 
     def rows(self, after: int, upto: int) -> list[tuple[dict[str, Any], int]] | None:
-        """The rows of every seq in (after, upto], with their stored bytes; None if any is not here."""
+        """The rows of every seq in (after, upto] (by column, as the log gives them), with their
+        stored bytes; None if any is not here."""
         with self._lock:
             found = []
             for seq in range(after + 1, upto + 1):
@@ -315,7 +315,7 @@ class Recent:
                 if row is None:
                     return None
                 found.append(row)
-            return found
+        return [(dict(zip(_ROW_NAMES, values, strict=True)), size) for values, size in found]
 
     def shipped(self, through: int) -> None:
         """Forget what the replica holds now (every seq up to ``through``)."""
@@ -325,7 +325,10 @@ class Recent:
 
 
 _ROW_NAMES = ("seq", *EVENT_INSERT_COLUMNS)
-_STORED = ("body", "token_ids", "token_mask", "log_probs", "checksum")
+# Where the stored bytes are in a written row (``EVENT_INSERT_COLUMNS``'s order).
+_STORED = tuple(
+    EVENT_INSERT_COLUMNS.index(name) for name in ("body", "token_ids", "token_mask", "log_probs", "checksum")
+)
 
 
 class ReplicaStore(Protocol):
