@@ -344,3 +344,22 @@ def test_a_replicated_cut_ships_its_events_without_reading_them_back(
         for call in CALLS:
             assert rh.continue_from(restored, call) == reference[call]
         assert restored.audit().ok
+
+
+def test_the_replicas_writer_keeps_its_connection_between_ships(store_url: str, tmp_path: Path) -> None:
+    """The replica store is only written by the shipping thread once its id is read: its writer
+    keeps the connection between ships (no pool checkout and return around each) and the
+    acknowledgements hold as before."""
+    with open_store(tmp_path / "w.db", replica=store_url, domain="replicated") as worker:
+        assert worker.replicate(wait=10.0)
+        replica = worker._replicator.replica  # type: ignore[union-attr]
+        assert replica is not None
+        held = replica._log._connection
+        assert held is not None
+        capture, _, receipt = rh.serve_until_cut(worker, CALLS, 5)
+        assert [ack.disposition for ack in receipt.prefixes] == ["durable_prefix"] * len(CALLS)
+        assert worker.replicate(wait=10.0)
+        assert replica._log._connection is held
+        capture.close()
+    with open_store(store_url) as restored:
+        assert restored.cut_receipts() == [receipt]

@@ -210,6 +210,11 @@ class EventLog:
             raise pending.error
         return pending.result  # type: ignore[return-value]
 
+    def hold_writer(self) -> None:
+        """Keep the writer connection between batches from now on (a store only its own writes
+        use, as the replicator's replica: no pool checkout and return around each batch)."""
+        self._hold_writer = True
+
     def _take_turn(self, pending: _Pending[Any]) -> None:
         """Queue ``pending``; return once another leader wrote it, or with the writer role and a batch."""
         with self._lock:

@@ -99,6 +99,12 @@ class LogShipping:
     ) -> ShipReport:
         return self._ship(to, None, bounds, start, recent)
 
+    def _writes_only(self) -> None:
+        """Only this store's own write path uses it from now on (the replicator's replica, its
+        id read): the writer keeps its connection between batches (``EventLog.hold_writer``)."""
+        self._known_id()
+        self._log.hold_writer()
+
     def _keep_committed(self, on_commit: Callable[[list[tuple[int, tuple[Any, ...]]] | None], None]) -> None:
         """Hand each commit's appended events to ``on_commit`` (the replicator's ``Recent``)."""
         self._log.on_commit = on_commit

@@ -342,6 +342,8 @@ class ReplicaStore(Protocol):
 
     def close(self) -> None: ...
 
+    def _writes_only(self) -> None: ...
+
 
 class SourceStore(Protocol):
     """What the replicator needs of the store it ships from (a ``Store``)."""
@@ -372,6 +374,9 @@ def start(store: SourceStore, options: DomainOptions, open_store: Callable[[str]
         except BaseException:
             replica.close()
             raise
+        # Only the shipping thread's writes use it from now on (its id is known): the writer
+        # keeps its connection between ships instead of taking it from the pool for each.
+        replica._writes_only()
         return replica
 
     replicator = Replicator(open_replica, store._ship_round, store._known_id)
