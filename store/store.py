@@ -239,6 +239,35 @@ class Store(LogShipping, DurabilityDomain):
         return result
 
     @operation
+    def _stage_unless_served(
+        self, entries: Sequence[StageEntry], checkpoint_id: str, inventory_digest: str
+    ) -> StageResults:
+        """``stage_all(entries)`` for a replicated cut's chunks, unless a receipt of that inventory
+        is in the log already: then it stands, and nothing is written (``receipt_recorded``
+        False, no results).  The look is in the chunks' own transaction, not a read before."""
+        events = [
+            self._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
+            for entry in entries
+        ]
+
+        def work(tx: WriteTransaction) -> StageResults:
+            results = StageResults()
+            if tx.receipt_seq(checkpoint_id, inventory_digest) is not None:
+                results.receipt_recorded = False
+                return results
+            before = tx.appended
+            for event, entry in zip(events, entries, strict=True):
+                result = stage_event(tx, event, entry.record.digest)
+                if not result.ok:
+                    raise StagingRefusedError(result.error or "refused")
+                results.append(result)
+            if tx.appended > before:
+                results._last_seq = tx.last_seq
+            return results
+
+        return self._log.write(work)
+
+    @operation
     def stage_all(
         self,
         entries: Sequence[StageEntry],

@@ -363,3 +363,42 @@ def test_the_replicas_writer_keeps_its_connection_between_ships(store_url: str, 
         capture.close()
     with open_store(store_url) as restored:
         assert restored.cut_receipts() == [receipt]
+
+
+def test_a_replicated_cut_looks_for_its_receipt_in_its_chunks_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replicated cut reads no receipt before it plans (its chunks' transaction looks for one
+    of the inventory, as the local domain's one transaction does); an inventory served before
+    gets its stored receipt, nothing is written, and the calls' buffers go back as they were:
+    decoding goes on and the next cut acknowledges every token."""
+    from store.store import Store
+
+    reads: list[str] = []
+    original = Store.cut_receipt
+
+    def recording(self: Store, checkpoint_id: str, inventory_digest: str) -> bytes | None:
+        reads.append(checkpoint_id)
+        return original(self, checkpoint_id, inventory_digest)
+
+    with open_store(tmp_path / "w.db", replica=replica_path(tmp_path), domain="replicated") as worker:
+        capture = rh.capture_on(worker)
+        root = rh.stage_root(capture)
+        live = {call: rh.admit(capture, root, call) for call in CALLS}
+        for call, active in live.items():
+            rh.decode(capture, active, call, 0, 5)
+        monkeypatch.setattr(Store, "cut_receipt", recording)
+        first = capture.serve_generation_cut(rh.inventory("checkpoint-1", CALLS))
+        assert reads == []
+        assert [ack.disposition for ack in first.prefixes] == ["durable_prefix"] * len(CALLS)
+        for call, active in live.items():
+            rh.decode(capture, active, call, 5, 7)
+        with worker._engine.connect() as connection:
+            before = connection.exec_driver_sql("SELECT count(*) FROM events").scalar()
+        again = capture.serve_generation_cut(rh.inventory("checkpoint-1", CALLS))
+        assert again == first and reads == ["checkpoint-1"]
+        with worker._engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT count(*) FROM events").scalar() == before
+        second = capture.serve_generation_cut(rh.inventory("checkpoint-2", CALLS))
+        assert [ack.prefix_token_count for ack in second.prefixes] == [7] * len(CALLS)
+        capture.close()

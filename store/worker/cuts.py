@@ -268,12 +268,6 @@ class CutServer:
             raise CaptureError(f"serve_generation_cut needs a GenerationCutInventory, got {type(inventory).__name__}")
         wait = self._store.replica_wait  # None: the local domain
         replica_deadline = None if wait is None else time.monotonic() + wait
-        if replica_deadline is not None:
-            # The replicated domain commits chunks before its receipt: look for a receipt of
-            # this inventory first.  (The local domain's one transaction does that itself.)
-            cached = self._stored_receipt(inventory)
-            if cached is not None:
-                return cached
         calls = [(prefix.capture_key, prefix.model_call_id) for prefix in inventory.active_prefixes]
         if len(set(calls)) != len(calls):
             raise GenerationCutError("the inventory names a model call more than once")
@@ -310,7 +304,15 @@ class CutServer:
                     plans.append(plan)
                 acks.append(plan.ack)
             if replica_deadline is not None:
-                acks = self._replicated(plans, acks, replica_deadline)
+                replicated = self._replicated(inventory, plans, acks, replica_deadline)
+                if replicated is None:
+                    # Served before: its receipt stands, nothing was written, and the buffers go
+                    # back as they were (``finally``).
+                    served = self._stored_receipt(inventory)
+                    if served is None:  # only retention could remove it in between
+                        raise GenerationCutError(f"the stored receipt of cut {inventory.checkpoint_id} vanished")
+                    return served
+                acks = replicated
             receipt = GenerationCutReceipt(
                 checkpoint_id=inventory.checkpoint_id,
                 cut_id=f"worker-{inventory.inventory_digest}",
@@ -376,16 +378,26 @@ class CutServer:
         return None if stored is None else from_json(stored, GenerationCutReceipt)
 
     def _replicated(
-        self, plans: list[_CutPlan], acks: list[GenerationCutPrefixAck], deadline: float
-    ) -> list[GenerationCutPrefixAck]:
+        self,
+        inventory: GenerationCutInventory,
+        plans: list[_CutPlan],
+        acks: list[GenerationCutPrefixAck],
+        deadline: float,
+    ) -> list[GenerationCutPrefixAck] | None:
         """The replicated domain: commit the cut's chunks here (sealed, as a flush seals them), wait
         for every record the acknowledgements name to be in the replica (``replica_wait`` at
-        most), and make ``durable_failure`` of each acknowledgement whose records are not there."""
+        most), and make ``durable_failure`` of each acknowledgement whose records are not there.
+        None: the inventory was served before (its receipt is in the log; nothing was written),
+        found in the chunks' own transaction (the local domain's one transaction looks too)."""
         entries = [plan.entry for plan in plans if plan.entry is not None]
         staged_through = None
         staged: set[str] = set()
+        if not entries and self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest) is not None:
+            return None
         if entries:
-            results = self._store.stage_all(entries)
+            results = self._store._stage_unless_served(entries, inventory.checkpoint_id, inventory.inventory_digest)
+            if results.receipt_recorded is False:
+                return None
             staged_through = getattr(results, "_last_seq", None)
             staged = {result.staging_key for result in results if result.ok and result.staging_key is not None}
             for plan in plans:
