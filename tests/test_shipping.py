@@ -428,7 +428,8 @@ def test_a_receipt_ships_in_one_round_trip_before_its_commit(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch's reads before its first append (the resume point, which identities are here, a
-    receipt's lookup, the stage lookups and seqs) go out together, read ahead; a small batch
+    receipt's lookup -- whether one of its inventory stands, its stream's fence and last version,
+    in one statement -- the stage lookups and seqs) go out together, read ahead; a small batch
     (a cut's receipt, shipped on its own) is sent as statements with the COMMIT, not a COPY.
     On PostgreSQL a receipt's ship then runs no statement of its own before the inserts and
     opens no COPY; on SQLite each read runs as it comes."""
@@ -466,7 +467,7 @@ def test_a_receipt_ships_in_one_round_trip_before_its_commit(
         if target.backend == "postgresql":
             assert reads == [] and copies == [], (reads, copies)
         else:
-            assert len(reads) >= 4, reads  # resume point, identities, receipt, lookup: one by one
+            assert len(reads) == 3, reads  # resume point, identities, the receipt's lookup: one by one
         assert target.cut_receipt(receipt.checkpoint_id, receipt.inventory_digest) is not None
         assert_target_reads_like_source(source, target)
         assert target.replay().ok
@@ -641,3 +642,20 @@ def test_rows_of_a_caller_rolled_back_to_its_savepoint_are_not_kept(tmp_path: Pa
         source._log.write(work)
         assert handed == [[1]], handed
         assert [key.rollout_id for key in source.staged_keys()] == ["r1"]
+
+
+def test_two_receipts_of_one_checkpoint_ship_in_one_batch(store_url: str, tmp_path: Path) -> None:
+    """Two receipts of one checkpoint (two inventories: one stream) in one batch: the second's
+    lookup read ahead with the batch is stale once the first is appended (its stream's version),
+    so it is read again; both arrive, in order, and the target replays clean."""
+    with open_store(str(tmp_path / "worker.db")) as source, open_store(store_url) as target:
+        for digest in ("a" * 64, "b" * 64):
+            staged = source.stage_all(
+                [], cut_receipt=("checkpoint-1", digest, b'{"receipt": "' + digest.encode() + b'"}')
+            )
+            assert staged.receipt_recorded is True
+        report = source.ship(target)
+        assert report.ok and report.appended == 2, report.summary()
+        for digest in ("a" * 64, "b" * 64):
+            assert target.cut_receipt("checkpoint-1", digest) == source.cut_receipt("checkpoint-1", digest)
+        assert target.audit().ok and target.replay().ok

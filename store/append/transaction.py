@@ -215,12 +215,6 @@ class WriteTransaction:
     def _insert_later(self, statement: Statement, values: dict[str, Any]) -> None:
         self._later.setdefault(statement.sql, []).append(statement.params(values))
 
-    @property
-    def reads_ahead(self) -> bool:
-        """Whether ``read_ahead`` reads anything (PostgreSQL): a lookup then costs no round trip
-        of its own, and ``stage_lookup`` reads in one statement what ``append`` would in two."""
-        return self._sql.stage_lookups is not None and hasattr(self._cursor, "side_cursor")
-
     def read_ahead(
         self,
         streams: Sequence[Stream],
@@ -371,7 +365,12 @@ class WriteTransaction:
             "rollout_id": new.rollout_id,
             "model_call_id": new.model_call_id,
         }
-        standing, fenced, fence_seq, last_version = self._execute(self._sql.receipt_lookup, values).fetchone()
+        return self.receipt_looked_up(new, self._execute(self._sql.receipt_lookup, values).fetchone())
+
+    def receipt_looked_up(self, new: NewEvent, row: Sequence[Any]) -> tuple[int | None, StageLookup]:
+        """``receipt_lookup`` given its statement's row, read by the caller (``receipt_lookup_statement``,
+        read ahead with other reads of the transaction, nothing appended to its stream since)."""
+        standing, fenced, fence_seq, last_version = row
         if new.rollout_id not in self._unfenced and not new.past_fence:
             if fenced:
                 raise RolloutFencedError(new.rollout_id, None if fence_seq is None else int(fence_seq))

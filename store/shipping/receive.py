@@ -19,13 +19,14 @@ from sqlalchemy.engine import Engine
 
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_refusal
-from store.append.statements import copy_insert, unnest_insert
+from store.append.statements import copy_insert, receipt_lookup_statement, unnest_insert
 from store.append.transaction import COPY_MIN_ROWS, WriteTransaction
 from store.errors import StoreError
 from store.log import schema
 from store.log.engine import Statement
 from store.log.events import (
     RECORD_KINDS,
+    WORKER_KINDS,
     CutReceiptBody,
     EventKind,
     KeysClearedBody,
@@ -33,6 +34,7 @@ from store.log.events import (
     WorkerBody,
     decode_body,
 )
+from store.projections.fold import ROLLOUT_KINDS
 from store.retention import removal
 from store.retention.removal import RetentionStatements
 from store.retention.retain import RETENTION_REASON
@@ -114,13 +116,7 @@ class ShipStatements:
             ),
             engine,
         )
-        self.receipt_seq = Statement(
-            sa.select(receipts.c.event_seq).where(
-                receipts.c.checkpoint_id == sa.bindparam("checkpoint_id"),
-                receipts.c.inventory_digest == sa.bindparam("inventory_digest"),
-            ),
-            engine,
-        )
+        self.receipt_lookup = receipt_lookup_statement(engine)
         self.target_seq = Statement(
             sa.select(shipped.c.event_seq).where(
                 shipped.c.origin_store_id == sa.bindparam("origin_store_id"),
@@ -179,8 +175,11 @@ def _receive(
         reads.append((statements.shipped_in, {"origin_store_id": origin_id, "low": min(seqs), "high": max(seqs)}))
     receipts = list(dict.fromkeys(inventory for item in items if (inventory := _receipt_inventory(item)) is not None))
     reads.extend(
-        (statements.receipt_seq, {"checkpoint_id": checkpoint_id, "inventory_digest": inventory_digest})
-        for checkpoint_id, inventory_digest in receipts
+        (
+            statements.receipt_lookup,
+            {"checkpoint_id": checkpoint, "inventory_digest": digest, "rollout_id": rollout, "model_call_id": call},
+        )
+        for checkpoint, digest, rollout, call in receipts
     )
     # The first half of the unverified items is verified while the server runs those reads (the
     # rest as its turn comes, while the events before it stream to the server).
@@ -199,9 +198,10 @@ def _receive(
         raise ResumePointMoved(resume_at_least, known)
     for origin_id, rows in zip(by_origin, found[1 : 1 + len(by_origin)], strict=True):
         here.update((origin_id, int(row[0])) for row in rows)
-    receipt_seqs = {
-        inventory: (int(rows[0][0]) if rows else None)
-        for inventory, rows in zip(receipts, found[1 + len(by_origin) :], strict=True)
+    # Each receipt's lookup (whether one of its inventory stands, its stream's fence and last
+    # version), by inventory; dropped once anything since could have changed it.
+    receipt_rows = {
+        inventory[:2]: rows[0] for inventory, rows in zip(receipts, found[1 + len(by_origin) :], strict=True)
     }
     for shippable in items:
         if isinstance(shippable, Unverified):
@@ -219,9 +219,11 @@ def _receive(
             received.present += 1
         else:
             try:
-                outcome = _apply(tx, statements, target_store_id, item, received.events, receipt_seqs)
+                outcome = _apply(tx, statements, target_store_id, item, received.events, receipt_rows)
             except StoreError as exc:
                 raise Refused(item.source_seq, exc) from exc
+            if receipt_rows:
+                _forget_stale(receipt_rows, item)
             if isinstance(outcome, str):
                 received.conflict = (item.source_seq, outcome)
                 break
@@ -250,7 +252,19 @@ def _receive(
     return received
 
 
-def _receipt_inventory(item: Shippable) -> tuple[str, str] | None:
+def _forget_stale(receipt_rows: dict[tuple[str, str], Any], item: SourceEvent) -> None:
+    """Drop the receipt lookups an applied event could have made stale: every one after an event
+    of a rollout's own (a fence, a tombstone: the receipts stream's fence) or a worker's (it ran
+    statements of its own), those of its checkpoint after a receipt (its stream's version)."""
+    event = item.event
+    if event.kind in ROLLOUT_KINDS or event.kind in WORKER_KINDS or item.joined is not None:
+        receipt_rows.clear()
+    elif event.kind is EventKind.CUT_RECEIPT:
+        for inventory in [inventory for inventory in receipt_rows if inventory[0] == event.model_call_id]:
+            del receipt_rows[inventory]
+
+
+def _receipt_inventory(item: Shippable) -> tuple[str, str, str, str] | None:
     if isinstance(item, Unverified):  # its body as read (verified later): for the lookup only
         if item.row.get("kind") != EventKind.CUT_RECEIPT.value or not isinstance(item.row.get("body"), bytes):
             return None
@@ -264,7 +278,10 @@ def _receipt_inventory(item: Shippable) -> tuple[str, str] | None:
         return None
     if not isinstance(body, CutReceiptBody):
         return None
-    return body.checkpoint_id, body.inventory_digest
+    _, rollout_id, model_call_id, _ = _names(item)
+    if not (isinstance(rollout_id, str) and isinstance(model_call_id, str)):
+        return None  # it fails verification: the batch stops there
+    return body.checkpoint_id, body.inventory_digest, rollout_id, model_call_id
 
 
 def _names(item: Shippable) -> tuple[EventKind | None, Any, Any, Any]:
@@ -296,8 +313,6 @@ def _read_ahead(
             continue
         if kind in RECORD_KINDS and isinstance(staging_key, str):
             streams.append((rollout_id, model_call_id, staging_key))
-        elif kind is EventKind.CUT_RECEIPT:
-            streams.append((rollout_id, model_call_id, None))  # its fence and version
     return tx.read_ahead(streams, len(items), reads, meanwhile)
 
 
@@ -320,7 +335,7 @@ def _apply(
     target_store_id: str,
     item: SourceEvent,
     batch: list[dict[str, Any]],
-    receipt_seqs: dict[tuple[str, str], int | None] | None = None,
+    receipt_rows: dict[tuple[str, str], Any] | None = None,
 ) -> int | str | None:
     """Append one event as staging would: its seq, None if nothing was needed, or a conflict's reason.
 
@@ -369,15 +384,12 @@ def _apply(
     elif new.kind is EventKind.CUT_RECEIPT:
         body = new.body
         assert isinstance(body, CutReceiptBody)
-        inventory = (body.checkpoint_id, body.inventory_digest)
-        if receipt_seqs is not None and inventory in receipt_seqs:
-            seq = receipt_seqs.pop(inventory)
+        row = None if receipt_rows is None else receipt_rows.pop((body.checkpoint_id, body.inventory_digest), None)
+        if row is not None:  # read ahead with the batch's other reads
+            seq, lookup = tx.receipt_looked_up(new, row)
         else:
-            seq = tx.receipt_seq(body.checkpoint_id, body.inventory_digest)
+            seq, lookup = tx.receipt_lookup(new, body.checkpoint_id, body.inventory_digest)
         if seq is None:
-            # PostgreSQL: its fence and last version were read ahead (``_read_ahead``), unless a
-            # statement since made them stale (then read in one statement, not two).
-            lookup = tx.stage_lookup(new.rollout_id, new.model_call_id, None) if tx.reads_ahead else None
             tx.append(new, lookup)
         elif _receipt_here(tx, statements, body) != body.receipt:
             return (
