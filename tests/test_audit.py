@@ -36,8 +36,8 @@ from store import (
     open_store,
     to_json,
 )
+from store.log.checksum import event_checksum
 from store.log.events import AdmissionBody, EventKind, decode_body, encode_body
-from store.wire.columns import event_checksum
 
 
 @dataclass

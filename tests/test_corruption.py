@@ -186,7 +186,7 @@ def test_a_damaged_calls_row_is_a_corrupt_record_error(store: Store, raw: sa.Con
 
 
 def test_the_checksum_covers_every_column_that_says_what_an_event_is(store: Store, raw: sa.Connection) -> None:
-    from store.wire.columns import event_checksum  # imported here: the module also runs against older stores
+    from store.log.checksum import event_checksum  # imported here: the module also runs against older stores
 
     record = make_record()
     assert store.stage(record).ok

@@ -24,9 +24,9 @@ from factories import make_record
 import store as lib
 from store import open_store
 from store.log import engine as engine_module
+from store.log.checksum import event_checksum
 from store.log.engine import migrations_path
 from store.log.schema import SCHEMA_REVISION, SCHEMA_REVISIONS, metadata
-from store.wire.columns import event_checksum
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -244,7 +244,7 @@ _INSTALLED_PROGRAM = """
 import json, sys, sysconfig
 import store
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
-from store.wire.columns import event_checksum
+from store.log.checksum import event_checksum
 from store.log.engine import migrations_path
 
 ids = [5, 6, 7, 8, 9]

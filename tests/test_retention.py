@@ -29,8 +29,8 @@ from store import (
     open_store,
 )
 from store.log import schema
+from store.log.checksum import event_checksum
 from store.log.events import AdmissionBody, EventKind, FailureBody, encode_body
-from store.wire.columns import event_checksum
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -17,7 +17,7 @@ from factories import make_record
 
 import store as lib
 from store import EventKind, StagedCallRecord, Store, open_store
-from store.wire.columns import event_checksum
+from store.log.checksum import event_checksum
 
 U64_MAX = 2**64 - 1
 

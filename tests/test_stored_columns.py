@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from profiles import examples
 
 from store.errors import DigestValueError, RebuildError
+from store.log.checksum import event_checksum
 from store.rebuild.verify import carry_boundary
 from store.wire.columns import (
     FloatColumn,
@@ -28,7 +29,6 @@ from store.wire.columns import (
     encode_floats,
     encode_ids,
     encode_mask,
-    event_checksum,
 )
 from store.wire.digest import check_mask_and_carry
 

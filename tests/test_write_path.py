@@ -786,9 +786,9 @@ def test_an_events_checksum_framed_before_the_lock_equals_event_checksum(
     """``NewEvent`` frames its checksum before the write lock; the append's bytes must be
     exactly those ``event_checksum`` (what every read verifies) hashes over the stored row."""
     from store.append.new_event import NewEvent
+    from store.log.checksum import event_checksum
     from store.log.events import EventKind, FailureBody, record_body
     from store.projections.fold import generated_spans
-    from store.wire.columns import event_checksum
 
     record = make_record(rollout_id="r-\u00e9\U0001f600", model_call_id="c-1")
     if columns:
@@ -830,7 +830,7 @@ def test_checksum_parts_frame_what_event_checksum_frames() -> None:
     and versions and pids at the 64-bit limits, it hashes exactly ``event_checksum``'s bytes."""
     import random
 
-    from store.wire.columns import ChecksumParts, event_checksum
+    from store.log.checksum import ChecksumParts, event_checksum
 
     rng = random.Random(11)
     texts = ["", "a", "rollout-000001", "\u00e9\u2603" * 40, "\ud800 lone", "x" * 2000]

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import Report, Target, fmt_seconds, make_columns, parser, temp_dir
 
 from store import StagedCallRecord, StageEntry, compute_chain_hash, hash_token_ids, open_store
-from store.wire.columns import CHECKSUMMED_COLUMNS, event_checksum
+from store.log.checksum import CHECKSUMMED_COLUMNS, event_checksum
 from store.wire.digest import (
     CHAIN_DOMAIN,
     CUMULATIVE_DOMAIN,

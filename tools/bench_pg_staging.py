@@ -56,10 +56,10 @@ from store import StagedCallRecord, open_store
 from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer
 from store.append.statements import WriteStatements, new_stream_values
 from store.log import schema
+from store.log.checksum import event_checksum
 from store.log.engine import postgresql_backend
 from store.log.events import EventKind, record_body
 from store.projections.fold import Event, fold_call, generated_spans
-from store.wire.columns import event_checksum
 
 TARGET_1 = 0.7
 TARGET_MANY = 0.5

@@ -44,10 +44,10 @@ from bench_audit import EVENT_COLUMNS, TOKENS, build_store
 
 from store import Store, open_store
 from store.log import schema
+from store.log.checksum import event_checksum
 from store.log.events import EventKind, decode_body
 from store.queries.integrity import stored_event
 from store.queries.replay import Folded
-from store.wire.columns import event_checksum
 
 TARGET_RATIO = 2.0
 _SELECT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events ORDER BY seq"

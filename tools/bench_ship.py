@@ -42,8 +42,8 @@ from _bench_common import Report, Target, fmt_seconds, parser, temp_dir
 from bench_audit import build_store
 
 from store import open_store
+from store.log.checksum import event_checksum
 from store.log.events import RECORD_KINDS, EventKind, decode_body
-from store.wire.columns import event_checksum
 from store.wire.digest import stored_record_digest
 
 TARGET_RATIO = 0.6

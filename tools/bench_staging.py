@@ -59,9 +59,10 @@ from _bench_common import Report, Target, fsync_seconds, make_columns, parser, t
 
 from store import StagedCallRecord, compute_chain_hash, hash_token_ids, open_store
 from store.append.statements import stage_lookup_statement
+from store.log.checksum import event_checksum
 from store.log.events import encode_body, record_body
 from store.projections.fold import generated_spans
-from store.wire.columns import encode_floats, encode_ids, encode_mask, event_checksum
+from store.wire.columns import encode_floats, encode_ids, encode_mask
 
 TOKENS = 4_096
 SMALL_TOKENS = 256

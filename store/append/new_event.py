@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from store.log.checksum import CHECKSUMMED_COLUMNS, ChecksumParts
 from store.log.events import EventKind, encode_body
-from store.wire.columns import CHECKSUMMED_COLUMNS, ChecksumParts, encode_floats, encode_ids, encode_mask
+from store.wire.columns import encode_floats, encode_ids, encode_mask
 from store.wire.digest import PackedColumns
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from store.errors import CorruptRecordError
+from store.log.checksum import event_checksum
 from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, decode_body
 from store.projections.fold import RECEIPT_STREAM, Event, filled
-from store.wire.columns import event_checksum
 
 # What decoding damaged bytes can raise (msgspec's errors derive from ValueError; listed for clarity).
 DECODE_ERRORS = (
