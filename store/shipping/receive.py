@@ -278,13 +278,13 @@ def _receipt_inventory(item: Shippable) -> tuple[str, str, str, str] | None:
         return None
     if not isinstance(body, CutReceiptBody):
         return None
-    _, rollout_id, model_call_id, _ = _names(item)
+    _, rollout_id, model_call_id, _ = item_names(item)
     if not (isinstance(rollout_id, str) and isinstance(model_call_id, str)):
         return None  # it fails verification: the batch stops there
     return body.checkpoint_id, body.inventory_digest, rollout_id, model_call_id
 
 
-def _names(item: Shippable) -> tuple[EventKind | None, Any, Any, Any]:
+def item_names(item: Shippable) -> tuple[EventKind | None, Any, Any, Any]:
     """An item's kind, rollout, call and staging key (an unverified one's as read)."""
     if isinstance(item, Unverified):
         row = item.row
@@ -308,7 +308,7 @@ def _read_ahead(
     fail verification) is never used."""
     streams: list[tuple[str, str, str | None]] = []
     for item in items:
-        kind, rollout_id, model_call_id, staging_key = _names(item)
+        kind, rollout_id, model_call_id, staging_key = item_names(item)
         if not (isinstance(rollout_id, str) and isinstance(model_call_id, str)):
             continue
         if kind in RECORD_KINDS and isinstance(staging_key, str):

@@ -22,13 +22,12 @@ from sqlalchemy.engine import Engine
 from store.append.transaction import WriteTransaction
 from store.errors import InvalidRecordError
 from store.queries.reads import Reader
-from store.shipping.receive import Received, Refused, ShipStatements, receive, resume_point
+from store.shipping.receive import Received, Refused, ShipStatements, item_names, receive, resume_point
 from store.shipping.report import ShipProblem, ShipReport
 from store.shipping.source import (
     Shippable,
     SourceEvent,
     Unshippable,
-    Unverified,
     batches,
     count_between,
     kept,
@@ -384,28 +383,17 @@ def _at(items: list[Shippable], source_seq: int) -> Shippable:
 
 
 def _problem(code: str, item: Shippable, reason: str) -> ShipProblem:
-    if isinstance(item, Unverified):  # refused once verified: its columns are its event's
-        row = item.row
-        return ShipProblem(
-            code,
-            reason,
-            item.source_seq,
-            item.origin.store_id,
-            item.origin.seq,
-            row.get("staging_key"),
-            row.get("rollout_id"),
-            row.get("model_call_id"),
-        )
-    event = item.event
+    # An unverified item refused once verified: its columns as read are its event's.
+    _, rollout_id, model_call_id, staging_key = item_names(item)
     return ShipProblem(
         code,
         reason,
         item.source_seq,
         item.origin.store_id,
         item.origin.seq,
-        event.staging_key,
-        event.rollout_id,
-        event.model_call_id,
+        staging_key,
+        rollout_id,
+        model_call_id,
     )
 
 
