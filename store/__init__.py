@@ -114,6 +114,7 @@ if TYPE_CHECKING:
     )
     from store.shipping import EventOrigin, ShipProblem, ShipReport
     from store.store import StageEntry, StageResults, Store, open_store
+    from store.wire.codec import from_json, from_msgpack, to_json, to_msgpack
     from store.wire.columns import FloatColumn, TokenIds
     from store.wire.cut_records import (
         GenerationCutInventory,
@@ -149,10 +150,6 @@ if TYPE_CHECKING:
         StagedCallRecord,
         StagedCallSnapshot,
         StageResult,
-        from_json,
-        from_msgpack,
-        to_json,
-        to_msgpack,
     )
     from store.worker.active_call import ActiveCall, Continuation
     from store.worker.capture import CaptureAdapter, RolloutTokenCapture
@@ -290,15 +287,15 @@ _MODULES = {
     "compute_staging_digest": "store.wire.digest",
     "decode_routed_experts": "store.rebuild.routes",
     "encode_routed_experts": "store.rebuild.routes",
-    "from_json": "store.wire.records",
-    "from_msgpack": "store.wire.records",
+    "from_json": "store.wire.codec",
+    "from_msgpack": "store.wire.codec",
     "hash_token_ids": "store.wire.digest",
     "linearize": "store.rebuild.verify",
     "open_store": "store.store",
     "resolve_terminal": "store.rebuild.terminal",
     "select_terminal_call": "store.rebuild.terminal",
-    "to_json": "store.wire.records",
-    "to_msgpack": "store.wire.records",
+    "to_json": "store.wire.codec",
+    "to_msgpack": "store.wire.codec",
     "verify_and_linearize": "store.rebuild.verify",
     "verify_and_linearize_all": "store.rebuild.verify",
     "with_routed_experts": "store.rebuild.routed_rows",

@@ -20,7 +20,7 @@ from store.log.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Sp
 from store.wire.columns import FloatColumn
 from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
 from store.wire.digest import compute_extras_digest
-from store.wire.records import _short as _shown
+from store.wire.field_checks import short as _shown
 
 _U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)

@@ -58,8 +58,9 @@ from store.retention.ledger import CaptureLedger
 from store.shipping import replica as replication
 from store.shipping.domain import DurabilityDomain
 from store.shipping.methods import LogShipping
+from store.wire.codec import from_json
 from store.wire.cut_records import GenerationCutPrefixAck, GenerationCutReceipt, capture_key
-from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult, from_json
+from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult
 
 if TYPE_CHECKING:
     from store.audit import AuditReport

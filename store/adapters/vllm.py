@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from store.errors import CaptureDataError
-from store.wire.records import CommitCoords, to_json
+from store.wire.codec import to_json
+from store.wire.records import CommitCoords
 
 TOKEN_ID_PREFIX = "token_id:"
 COMMIT_COORDS_FIELD = "ng_commit_coords"

@@ -57,6 +57,7 @@ from store.queries.integrity import DECODE_ERRORS, verified_event
 from store.queries.reads import record_fields, stored_columns
 from store.queries.replay import Folded, ReplayDifference, UnreadableRow, paused_gc, stored_rows, table_rows
 from store.wire import continuations
+from store.wire.codec import from_json
 from store.wire.columns import TokenIds, decode_ids
 from store.wire.digest import (
     CUMULATIVE_DOMAIN,
@@ -66,7 +67,7 @@ from store.wire.digest import (
     staging_digest_and_columns,
     stored_record_digest,
 )
-from store.wire.records import GenerationCutContinuation, from_json
+from store.wire.records import GenerationCutContinuation
 
 Progress = Callable[[int, int], object]
 _PROGRESS_EVERY = 256

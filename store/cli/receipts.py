@@ -31,7 +31,7 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
     Exit 1 when --rollout names a rollout the store does not hold, or --checkpoint a checkpoint
     it kept no receipt of.
     """
-    from store.wire.records import to_json
+    from store.wire.codec import to_json
 
     with read_only(store) as opened:
         found = opened.cut_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)

@@ -20,8 +20,8 @@ from typing import Any
 
 from store.demo.engine import Script, script_for
 from store.store import Store, open_store
+from store.wire.codec import from_json, to_json
 from store.wire.cut_records import GenerationCutInventory, GenerationCutPrefix, GenerationCutReceipt
-from store.wire.records import from_json, to_json
 
 TURNS = 3  # calls per rollout; the cut lands in turn 1 or 2
 CHECKPOINT = "checkpoint-1"

@@ -28,8 +28,9 @@ from typing import Any
 
 from store.demo.engine import Script, script_for
 from store.store import open_store
+from store.wire.codec import from_json, to_json
 from store.wire.cut_records import GenerationCutInventory, GenerationCutPrefixAck, capture_key
-from store.wire.records import CaptureAdmission, CommitCoords, from_json, to_json
+from store.wire.records import CaptureAdmission, CommitCoords
 from store.worker.active_call import ActiveCall
 from store.worker.capture import RolloutTokenCapture
 from store.worker.engine import LiveEngine, decode, decoding_plan, generate

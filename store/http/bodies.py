@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from store.errors import InvalidRecordError
-from store.wire.records import from_json
+from store.wire.codec import from_json
 
 T = TypeVar("T")
 

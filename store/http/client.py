@@ -22,8 +22,9 @@ from store.errors import ConfigurationError, ControlRequestError, InvalidRecordE
 from store.http.paths import CUT_PATH, LEDGER_PREFIX
 from store.http.tokens import header_token
 from store.retention.ids import MAX_IDS
+from store.wire.codec import from_json, to_json
 from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
-from store.wire.records import RolloutManifest, RolloutRemoval, from_json, to_json
+from store.wire.records import RolloutManifest, RolloutRemoval
 
 T = TypeVar("T", bound=msgspec.Struct)
 

@@ -45,8 +45,9 @@ from store.http.paths import CUT_PATH, LEDGER_PREFIX
 from store.http.tokens import server_token
 from store.retention.ids import MAX_IDS
 from store.store import Store
+from store.wire.codec import to_json
 from store.wire.cut_records import GenerationCutInventory, GenerationCutReceipt
-from store.wire.records import RolloutManifest, RolloutRemoval, to_json
+from store.wire.records import RolloutManifest, RolloutRemoval
 from store.worker.capture import RolloutTokenCapture
 
 log = logging.getLogger("store.http")

@@ -27,8 +27,9 @@ from store.log.events import AdmissionBody, EventKind
 from store.projections.fold import TERMINAL_STATES
 from store.queries.integrity import describe, verified_event
 from store.queries.reads import Reader, StagedKeyInfo, VersionSpan, plain_rows
+from store.wire.codec import from_json
 from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX
-from store.wire.records import GenerationCutContinuation, from_json
+from store.wire.records import GenerationCutContinuation
 
 
 @dataclass(frozen=True)

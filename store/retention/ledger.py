@@ -32,6 +32,7 @@ from store.queries.reads import Reader
 from store.rebuild.terminal import UnfingerprintableError, assistant_fingerprint, select_terminal_call
 from store.retention import ids, removal
 from store.retention.reasons import UNRESOLVED_PARENT
+from store.wire.codec import from_json, to_json
 from store.wire.records import (
     CaptureAdmission,
     CaptureLedgerCommit,
@@ -39,8 +40,6 @@ from store.wire.records import (
     RolloutManifest,
     RolloutReceipt,
     RolloutRemoval,
-    from_json,
-    to_json,
 )
 
 

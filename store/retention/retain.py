@@ -33,7 +33,8 @@ from store.log import schema
 from store.log.engine import Statement
 from store.log.events import RECORD_KINDS, EventKind, KeysClearedBody
 from store.projections.fold import TERMINAL_STATES
-from store.wire.records import GenerationCutContinuation, RolloutRemoval, from_json
+from store.wire.codec import from_json
+from store.wire.records import GenerationCutContinuation, RolloutRemoval
 
 RETENTION_REASON = "retention"
 

@@ -12,18 +12,10 @@ import msgspec
 
 from store.errors import InvalidRecordError
 from store.wire import continuations
+from store.wire import field_checks as check
 from store.wire.records import (
     FinishReason,
     GenerationCutContinuation,
-    _check_finish,
-    _digest_hex,
-    _fail,
-    _identifier,
-    _literal,
-    _non_negative,
-    _positive,
-    _strict_float,
-    _unique,
 )
 
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -83,14 +75,14 @@ class GenerationCutPrefix(_CutWire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "GenerationCutPrefix"
-        _identifier(name, "ticket_id", self.ticket_id)
+        check.identifier(name, "ticket_id", self.ticket_id)
         if not isinstance(self.rollout_id, str) or not _ROLLOUT_ID.fullmatch(self.rollout_id):
-            raise _fail(
+            raise check.fail(
                 name, f"rollout_id must be letters, digits, '.', '_' or '-' (not first), got {self.rollout_id!r}"
             )
-        _non_negative(name, "attempt_index", self.attempt_index)
-        _identifier(name, "model_call_id", self.model_call_id)
-        _strict_float(name, "admitted_at", self.admitted_at, optional=False)
+        check.non_negative(name, "attempt_index", self.attempt_index)
+        check.identifier(name, "model_call_id", self.model_call_id)
+        check.strict_float(name, "admitted_at", self.admitted_at, optional=False)
 
     @property
     def capture_key(self) -> str:
@@ -127,17 +119,17 @@ class GenerationCutInventory(_CutWire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "GenerationCutInventory"
-        _identifier(name, "checkpoint_id", self.checkpoint_id)
-        _identifier(name, "server_name", self.server_name)
+        check.identifier(name, "checkpoint_id", self.checkpoint_id)
+        check.identifier(name, "server_name", self.server_name)
         prefixes = tuple(self.active_prefixes)
         msgspec.structs.force_setattr(self, "active_prefixes", prefixes)
         tickets = [prefix.ticket_id for prefix in prefixes]
         if tickets != sorted(tickets):
-            raise _fail(name, "active_prefixes must be sorted by ticket_id")
-        _unique(name, "ticket ids", tickets)
-        _digest_hex(name, "inventory_digest", self.inventory_digest)
+            raise check.fail(name, "active_prefixes must be sorted by ticket_id")
+        check.unique(name, "ticket ids", tickets)
+        check.digest_hex(name, "inventory_digest", self.inventory_digest)
         if inventory_digest(self.checkpoint_id, self.server_name, prefixes) != self.inventory_digest:
-            raise _fail(name, "inventory_digest does not match the inventory")
+            raise check.fail(name, "inventory_digest does not match the inventory")
 
     @classmethod
     def build(
@@ -178,10 +170,10 @@ class GenerationCutPrefixAck(_CutWire, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         name = "GenerationCutPrefixAck"
         GenerationCutPrefix.__post_init__(self)  # type: ignore[arg-type]  # same identity rules
-        _literal(name, "disposition", self.disposition, ("durable_prefix", "durable_failure"))
+        check.literal(name, "disposition", self.disposition, ("durable_prefix", "durable_failure"))
         msgspec.structs.force_setattr(self, "staging_keys", tuple(self.staging_keys))
-        _unique(name, "staging_keys", self.staging_keys)
-        _check_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
+        check.unique(name, "staging_keys", self.staging_keys)
+        check.terminal_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
         payload = (
             self.cut_kind,
             self.frozen_buffer_id,
@@ -191,25 +183,25 @@ class GenerationCutPrefixAck(_CutWire, frozen=True, kw_only=True):
         )
         if self.disposition == "durable_prefix":
             if any(value is None for value in payload) or not self.staging_keys:
-                raise _fail(
+                raise check.fail(
                     name, "durable_prefix requires cut_kind, frozen_buffer_id, staging_keys, count, digest, limit"
                 )
-            _literal(name, "cut_kind", self.cut_kind, ("active_prefix", "terminal_completion"))
-            _identifier(name, "frozen_buffer_id", self.frozen_buffer_id)
-            _non_negative(name, "prefix_token_count", self.prefix_token_count)
-            _digest_hex(name, "prefix_digest", self.prefix_digest)
-            _positive(name, "effective_output_limit", self.effective_output_limit)
+            check.literal(name, "cut_kind", self.cut_kind, ("active_prefix", "terminal_completion"))
+            check.identifier(name, "frozen_buffer_id", self.frozen_buffer_id)
+            check.non_negative(name, "prefix_token_count", self.prefix_token_count)
+            check.digest_hex(name, "prefix_digest", self.prefix_digest)
+            check.positive(name, "effective_output_limit", self.effective_output_limit)
             over = continuations.token_count_within_limit(self.prefix_token_count, self.effective_output_limit)  # type: ignore[arg-type]
             if over is not None:
-                raise _fail(name, f"prefix_token_count: {over.message}")
+                raise check.fail(name, f"prefix_token_count: {over.message}")
         elif any(value is not None for value in payload) or self.staging_keys or self.terminal_finish_reason:
-            raise _fail(name, "durable_failure carries no cut payload")
+            raise check.fail(name, "durable_failure carries no cut payload")
 
     def continuation(self) -> GenerationCutContinuation:
         """What a replacement call continues (Gym's ``GenerationCutRecord.continuation``, 5.2):
         the source capture key is this ticket's, the rest is copied.  Only for ``durable_prefix``."""
         if self.disposition != "durable_prefix":
-            raise _fail("GenerationCutPrefixAck", "a durable_failure has no continuation")
+            raise check.fail("GenerationCutPrefixAck", "a durable_failure has no continuation")
         return GenerationCutContinuation(
             source_capture_key=capture_key(self.rollout_id, self.attempt_index),
             source_model_call_id=self.model_call_id,
@@ -243,24 +235,24 @@ class GenerationCutReceipt(_CutWire, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         name = "GenerationCutReceipt"
         for field in ("checkpoint_id", "cut_id", "backend_snapshot_id"):
-            _identifier(name, field, getattr(self, field))
-        _digest_hex(name, "inventory_digest", self.inventory_digest)
+            check.identifier(name, field, getattr(self, field))
+        check.digest_hex(name, "inventory_digest", self.inventory_digest)
         msgspec.structs.force_setattr(self, "prefixes", tuple(self.prefixes))
 
     def validate_for(self, inventory: GenerationCutInventory) -> None:
         """Refuse a receipt that does not answer exactly this inventory."""
         name = "GenerationCutReceipt"
         if self.inventory != inventory or self.inventory_digest != inventory.inventory_digest:
-            raise _fail(name, "the receipt is for a different inventory")
+            raise check.fail(name, "the receipt is for a different inventory")
         if self.checkpoint_id != inventory.checkpoint_id:
-            raise _fail(name, "the receipt is for a different checkpoint")
+            raise check.fail(name, "the receipt is for a different checkpoint")
         tickets = {prefix.ticket_id: prefix for prefix in inventory.active_prefixes}
         seen: set[str] = set()
         for ack in self.prefixes:
             if ack.ticket_id not in tickets or ack.ticket_id in seen:
-                raise _fail(name, f"ticket {ack.ticket_id!r} is unknown or acknowledged twice")
+                raise check.fail(name, f"ticket {ack.ticket_id!r} is unknown or acknowledged twice")
             seen.add(ack.ticket_id)
             if not ack.matches(tickets[ack.ticket_id]):
-                raise _fail(name, f"the acknowledgement of ticket {ack.ticket_id!r} does not match its call")
+                raise check.fail(name, f"the acknowledgement of ticket {ack.ticket_id!r} does not match its call")
         if seen != set(tickets):
-            raise _fail(name, "every ticket must be acknowledged exactly once")
+            raise check.fail(name, "every ticket must be acknowledged exactly once")

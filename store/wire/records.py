@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -21,6 +20,7 @@ import numpy as np
 from store.errors import DigestMismatchError, InvalidRecordError
 from store.wire import continuations
 from store.wire import digest as _digest
+from store.wire import field_checks as check
 from store.wire.columns import FloatColumn, TokenIds, encode_floats, encode_ids, encode_mask
 from store.wire.digest import EMPTY_EXTRAS_DIGEST, STAGING_SCHEMA_VERSION, PackedColumns
 
@@ -28,120 +28,6 @@ CaptureMode = Literal["text", "token_in"]
 AdmissionMode = Literal["text", "token_in", "candidate"]
 SchemaVersion = Literal[2, 3]
 FinishReason = Literal["stop", "length"]
-
-# --- field checks shared by every record ------------------------------------------------
-
-
-def _fail(record: str, message: str) -> InvalidRecordError:
-    return InvalidRecordError(f"{record}: {message}")
-
-
-def _identifier(record: str, name: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise _fail(record, f"{name} must be a non-empty string, got {value!r}")
-    _encodable(record, name, value)
-
-
-def _encodable(record: str, name: str, value: str) -> None:
-    """Text is stored and hashed as UTF-8: a lone surrogate can never be, so it is refused here."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise _fail(record, f"{name} is not valid Unicode text ({exc.reason} at position {exc.start})") from None
-
-
-def _optional_identifier(record: str, name: str, value: Any) -> None:
-    if value is not None:
-        _identifier(record, name, value)
-
-
-_U64_MAX = 2**64 - 1  # every count and version is hashed or stored as a u64
-
-
-def _non_negative(record: str, name: str, value: Any) -> None:
-    if type(value) is not int or not 0 <= value <= _U64_MAX:
-        raise _fail(
-            record, f"{name} must be an int in [0, 2**64-1] (bools and floats are refused), got {_short(value)}"
-        )
-
-
-def _positive(record: str, name: str, value: Any) -> None:
-    if type(value) is not int or not 1 <= value <= _U64_MAX:
-        raise _fail(record, f"{name} must be an int in [1, 2**64-1], got {_short(value)}")
-
-
-def _short(value: Any) -> str:
-    """``repr`` for an error message, cut short (a hostile int may have thousands of digits)."""
-    big = type(value) is int and value.bit_length() >= 256
-    shown = f"an int of {value.bit_length()} bits" if big else repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
-
-
-def _digest_hex(record: str, name: str, value: Any) -> None:
-    if not _digest.is_digest_hex(value):
-        raise _fail(record, f"{name} must be 64 lowercase hex characters, got {value!r}")
-
-
-def _optional_digest_hex(record: str, name: str, value: Any) -> None:
-    if value is not None:
-        _digest_hex(record, name, value)
-
-
-def _strict_float(record: str, name: str, value: Any, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if type(value) is not float or not math.isfinite(value):
-        raise _fail(record, f"{name} must be a finite float (an int is refused), got {value!r}")
-
-
-def _literal(record: str, name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed or type(value) is bool:
-        raise _fail(record, f"{name} must be one of {allowed!r}, got {value!r}")
-
-
-def _schema(record: str, value: Any) -> None:
-    if type(value) is not int or value not in _digest.SUPPORTED_SCHEMA_VERSIONS:
-        raise _fail(record, f"unsupported schema_version {value!r}; this store reads schemas 2 and 3")
-
-
-def _versions(record: str, struct: Any) -> None:
-    _schema(record, struct.schema_version)
-    if type(struct.digest_version) is not int or struct.digest_version != _digest.STAGING_DIGEST_VERSION:
-        raise _fail(record, f"unsupported digest_version {struct.digest_version!r}; must be 2")
-    if type(struct.extras_digest_version) is not int or struct.extras_digest_version != _digest.EXTRAS_DIGEST_VERSION:
-        raise _fail(record, f"unsupported extras_digest_version {struct.extras_digest_version!r}; must be 1")
-
-
-def _lineage(record: str, parent_call_id: Any, prev_len: int, mode: Any | None) -> None:
-    if parent_call_id is None:
-        if prev_len != 0:
-            raise _fail(record, "a root (no parent_call_id) requires prev_len == 0")
-        if mode is not None and mode != "text":
-            raise _fail(record, "a root (no parent_call_id) must be text mode")
-    else:
-        if prev_len <= 0:
-            raise _fail(record, "a child (parent_call_id set) requires prev_len > 0")
-        if mode is not None and mode != "token_in":
-            raise _fail(record, "a child (parent_call_id set) must be token_in mode")
-
-
-def _instances(record: str, name: str, values: Any, kind: type) -> None:
-    if not isinstance(values, (list, tuple)) or not all(isinstance(value, kind) for value in values):
-        raise _fail(record, f"{name} must be a list of {kind.__name__}")
-
-
-def _optional_text(record: str, name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, str):
-        raise _fail(record, f"{name} must be a string or null, got {value!r}")
-    if value is not None:
-        _encodable(record, name, value)
-
-
-def _unique(record: str, name: str, values: Sequence[str]) -> None:
-    for value in values:
-        _identifier(record, f"{name} entry", value)
-    if len(set(values)) != len(values):
-        raise _fail(record, f"{name} must be unique")
 
 
 class _Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -167,34 +53,20 @@ class GenerationCutContinuation(_Wire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "GenerationCutContinuation"
-        _schema(name, self.schema_version)
-        _identifier(name, "source_capture_key", self.source_capture_key)
-        _identifier(name, "source_model_call_id", self.source_model_call_id)
+        check.schema(name, self.schema_version)
+        check.identifier(name, "source_capture_key", self.source_capture_key)
+        check.identifier(name, "source_model_call_id", self.source_model_call_id)
         if not self.staging_keys:
-            raise _fail(name, "staging_keys must name at least one key")
-        _unique(name, "staging_keys", self.staging_keys)
+            raise check.fail(name, "staging_keys must name at least one key")
+        check.unique(name, "staging_keys", self.staging_keys)
         msgspec.structs.force_setattr(self, "staging_keys", tuple(self.staging_keys))
-        _non_negative(name, "generation_token_count", self.generation_token_count)
-        _digest_hex(name, "digest", self.digest)
-        _positive(name, "effective_output_limit", self.effective_output_limit)
+        check.non_negative(name, "generation_token_count", self.generation_token_count)
+        check.digest_hex(name, "digest", self.digest)
+        check.positive(name, "effective_output_limit", self.effective_output_limit)
         over = continuations.token_count_within_limit(self.generation_token_count, self.effective_output_limit)
         if over is not None:
-            raise _fail(name, f"generation_token_count: {over.message}")
-        _check_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
-
-
-def _check_finish(record: str, finish: Any, stop: Any) -> None:
-    if finish is not None:
-        _literal(record, "terminal_finish_reason", finish, ("stop", "length"))
-    if stop is not None:
-        if type(stop) not in (str, int):
-            raise _fail(record, f"terminal_stop_reason must be a string or int, got {stop!r}")
-        if type(stop) is str:
-            _encodable(record, "terminal_stop_reason", stop)
-        elif not -(2**63) <= stop <= _U64_MAX:  # what msgpack (and the event log) can hold
-            raise _fail(record, f"terminal_stop_reason {_short(stop)} is outside [-2**63, 2**64-1]")
-        if finish is None:
-            raise _fail(record, "a terminal_stop_reason requires a terminal_finish_reason")
+            raise check.fail(name, f"generation_token_count: {over.message}")
+        check.terminal_finish(name, self.terminal_finish_reason, self.terminal_stop_reason)
 
 
 class CaptureAdmission(_Wire, frozen=True, kw_only=True):
@@ -212,29 +84,29 @@ class CaptureAdmission(_Wire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "CaptureAdmission"
-        _schema(name, self.schema_version)
-        _identifier(name, "rollout_id", self.rollout_id)
-        _identifier(name, "model_call_id", self.model_call_id)
-        _optional_identifier(name, "parent_call_id", self.parent_call_id)
-        _non_negative(name, "prev_len", self.prev_len)
+        check.schema(name, self.schema_version)
+        check.identifier(name, "rollout_id", self.rollout_id)
+        check.identifier(name, "model_call_id", self.model_call_id)
+        check.optional_identifier(name, "parent_call_id", self.parent_call_id)
+        check.non_negative(name, "prev_len", self.prev_len)
         if self.mode == "candidate":
-            raise _fail(name, "mode 'candidate' (schema-3 replay admissions) is not supported by this store")
-        _literal(name, "mode", self.mode, ("text", "token_in"))
+            raise check.fail(name, "mode 'candidate' (schema-3 replay admissions) is not supported by this store")
+        check.literal(name, "mode", self.mode, ("text", "token_in"))
         prefix = _record_ids(name, "required_prefix_token_ids", self.required_prefix_token_ids)
         msgspec.structs.force_setattr(self, "required_prefix_token_ids", prefix)
         for key in self.staging_chain:
-            _identifier(name, "staging_chain entry", key)
+            check.identifier(name, "staging_chain entry", key)
         msgspec.structs.force_setattr(self, "staging_chain", tuple(self.staging_chain))
-        _optional_digest_hex(name, "parent_chain_hash", self.parent_chain_hash)
+        check.optional_digest_hex(name, "parent_chain_hash", self.parent_chain_hash)
         if self.generation_cut is not None and not isinstance(self.generation_cut, GenerationCutContinuation):
-            raise _fail(name, "generation_cut must be a GenerationCutContinuation")
+            raise check.fail(name, "generation_cut must be a GenerationCutContinuation")
         if self.mode == "token_in":
             if self.parent_call_id is None or self.prev_len <= 0:
-                raise _fail(name, "token_in requires a parent_call_id and prev_len > 0")
+                raise check.fail(name, "token_in requires a parent_call_id and prev_len > 0")
             if self.parent_chain_hash is None:
-                raise _fail(name, "token_in requires the parent's chain hash (parent_chain_hash)")
+                raise check.fail(name, "token_in requires the parent's chain hash (parent_chain_hash)")
             if not self.staging_chain and len(prefix) != self.prev_len:
-                raise _fail(name, "required_prefix_token_ids length must equal prev_len without a staging_chain")
+                raise check.fail(name, "required_prefix_token_ids length must equal prev_len without a staging_chain")
         elif (
             self.parent_call_id is not None
             or self.prev_len != 0
@@ -242,7 +114,7 @@ class CaptureAdmission(_Wire, frozen=True, kw_only=True):
             or self.staging_chain
             or self.parent_chain_hash is not None
         ):
-            raise _fail(
+            raise check.fail(
                 name,
                 "a text admission has no parent, prev_len 0, no inline prefix, no staging_chain "
                 "and no parent_chain_hash",
@@ -253,7 +125,7 @@ def _record_ids(record: str, name: str, values: Any) -> TokenIds:
     try:
         return TokenIds.coerce(values, name)
     except ValueError as exc:
-        raise _fail(record, str(exc)) from exc
+        raise check.fail(record, str(exc)) from exc
 
 
 # --- staged records (3.4) ------------------------------------------------------------------
@@ -292,20 +164,20 @@ class StagedCallBaseSnapshot(_DigestWire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        _versions(name, self)
-        _identifier(name, "rollout_id", self.rollout_id)
-        _identifier(name, "model_call_id", self.model_call_id)
-        _optional_identifier(name, "parent_call_id", self.parent_call_id)
-        _literal(name, "mode", self.mode, ("text", "token_in"))
+        check.versions(name, self)
+        check.identifier(name, "rollout_id", self.rollout_id)
+        check.identifier(name, "model_call_id", self.model_call_id)
+        check.optional_identifier(name, "parent_call_id", self.parent_call_id)
+        check.literal(name, "mode", self.mode, ("text", "token_in"))
         for field in ("prev_len", "delta_len", "cum_len", "weight_version"):
-            _non_negative(name, field, getattr(self, field))
-        _digest_hex(name, "digest", self.digest)
-        _digest_hex(name, "extras_digest", self.extras_digest)
-        _digest_hex(name, "chain_hash", self.chain_hash)
-        _digest_hex(name, "cumulative_hash", self.cumulative_hash)
-        _lineage(name, self.parent_call_id, self.prev_len, self.mode)
+            check.non_negative(name, field, getattr(self, field))
+        check.digest_hex(name, "digest", self.digest)
+        check.digest_hex(name, "extras_digest", self.extras_digest)
+        check.digest_hex(name, "chain_hash", self.chain_hash)
+        check.digest_hex(name, "cumulative_hash", self.cumulative_hash)
+        check.lineage(name, self.parent_call_id, self.prev_len, self.mode)
         if self.delta_len == 0:
-            raise _fail(name, "delta_len must not be 0")
+            raise check.fail(name, "delta_len must not be 0")
         prehashed = _PREHASHED.get()
         if prehashed is not None:
             expected, columns, _ = prehashed
@@ -315,7 +187,7 @@ class StagedCallBaseSnapshot(_DigestWire, frozen=True, kw_only=True):
             try:
                 computed, columns = _digest.staging_digest_and_columns(**self.digest_fields())
             except (ValueError, TypeError) as exc:
-                raise _fail(name, str(exc)) from exc
+                raise check.fail(name, str(exc)) from exc
             if computed != self.digest:
                 raise DigestMismatchError(f"{name}: digest does not match the record's fields (computed {computed})")
         msgspec.structs.force_setattr(self, "token_ids_delta", columns.token_ids)
@@ -402,7 +274,7 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
             try:
                 computed = _digest.compute_extras_digest(self.extras)
             except (ValueError, TypeError) as exc:
-                raise _fail(name, f"extras: {exc}") from exc
+                raise check.fail(name, f"extras: {exc}") from exc
         if computed != self.extras_digest:
             raise DigestMismatchError(f"{name}: extras_digest does not match the extras payload")
 
@@ -430,7 +302,7 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         the digest is not recomputed during construction.
         """
         if extras is not None and not isinstance(extras, Mapping):  # dict("") would be {}: never guess
-            raise _fail(cls.__name__, f"extras must be a mapping or None, got {type(extras).__name__}")
+            raise check.fail(cls.__name__, f"extras must be a mapping or None, got {type(extras).__name__}")
         payload = dict(extras) if extras is not None else None
         try:
             extras_digest = _digest.compute_extras_digest(payload)
@@ -457,7 +329,7 @@ class StagedCallRecord(StagedCallBaseSnapshot, frozen=True, kw_only=True):
         except (ValueError, TypeError) as exc:
             if isinstance(exc, InvalidRecordError):
                 raise
-            raise _fail(cls.__name__, str(exc)) from exc
+            raise check.fail(cls.__name__, str(exc)) from exc
         # The stored form too, while the columns are hot: stage() then takes the lock with bytes ready.
         encode_ids(columns.token_ids)
         encode_mask(columns.token_mask)
@@ -526,18 +398,18 @@ class StageResult(_Wire, frozen=True, kw_only=True):
         if self.ok is True and self.error is None and type(key) is str and key and type(version) is int:
             # Every successful stage returns one: the checks below, for this shape, in one place.
             if version not in _digest.SUPPORTED_SCHEMA_VERSIONS:
-                _schema(name, version)
-            _encodable(name, "staging_key", key)
+                check.schema(name, version)
+            check.encodable(name, "staging_key", key)
             return
-        _schema(name, self.schema_version)
+        check.schema(name, self.schema_version)
         if type(self.ok) is not bool:
-            raise _fail(name, f"ok must be a bool, got {self.ok!r}")
-        _optional_identifier(name, "staging_key", self.staging_key)
-        _optional_text(name, "error", self.error)
+            raise check.fail(name, f"ok must be a bool, got {self.ok!r}")
+        check.optional_identifier(name, "staging_key", self.staging_key)
+        check.optional_text(name, "error", self.error)
         if self.ok and self.staging_key is None:
-            raise _fail(name, "ok=true requires a staging_key")
+            raise check.fail(name, "ok=true requires a staging_key")
         if not self.ok and not self.error:
-            raise _fail(name, "ok=false requires an error")
+            raise check.fail(name, "ok=false requires an error")
 
 
 Disposition = Literal["staged", "capture_failed"]
@@ -563,32 +435,32 @@ class CommitCoords(_DigestWire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "CommitCoords"
-        _versions(name, self)
-        _identifier(name, "rollout_id", self.rollout_id)
-        _identifier(name, "model_call_id", self.model_call_id)
-        _optional_identifier(name, "parent_call_id", self.parent_call_id)
+        check.versions(name, self)
+        check.identifier(name, "rollout_id", self.rollout_id)
+        check.identifier(name, "model_call_id", self.model_call_id)
+        check.optional_identifier(name, "parent_call_id", self.parent_call_id)
         for field in ("prev_len", "delta_len", "cum_len", "weight_version"):
-            _non_negative(name, field, getattr(self, field))
-        _literal(name, "disposition", self.disposition, ("staged", "capture_failed"))
+            check.non_negative(name, field, getattr(self, field))
+        check.literal(name, "disposition", self.disposition, ("staged", "capture_failed"))
         for field in ("digest", "extras_digest", "chain_hash", "cumulative_hash"):
-            _optional_digest_hex(name, field, getattr(self, field))
-        _optional_identifier(name, "staging_key", self.staging_key)
-        _lineage(name, self.parent_call_id, self.prev_len, None)
+            check.optional_digest_hex(name, field, getattr(self, field))
+        check.optional_identifier(name, "staging_key", self.staging_key)
+        check.lineage(name, self.parent_call_id, self.prev_len, None)
         if self.cum_len != self.prev_len + self.delta_len:
-            raise _fail(name, "cum_len must equal prev_len + delta_len")
+            raise check.fail(name, "cum_len must equal prev_len + delta_len")
         present = [getattr(self, field) is not None for field in _STAGED_PAYLOAD]
         if self.disposition == "staged":
             if not all(present):
-                raise _fail(
+                raise check.fail(
                     name, "staged coords require digest, extras_digest, staging_key, chain_hash and cumulative_hash"
                 )
             if self.delta_len <= 0:
-                raise _fail(name, "staged coords require delta_len > 0")
+                raise check.fail(name, "staged coords require delta_len > 0")
         else:
             if any(present):
-                raise _fail(name, "capture_failed coords cannot carry staged payload")
+                raise check.fail(name, "capture_failed coords cannot carry staged payload")
             if self.delta_len != 0:
-                raise _fail(name, "capture_failed coords require delta_len == 0")
+                raise check.fail(name, "capture_failed coords require delta_len == 0")
 
 
 class CallRecord(_DigestWire, frozen=True, kw_only=True):
@@ -615,25 +487,25 @@ class CallRecord(_DigestWire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "CallRecord"
-        _versions(name, self)
-        _optional_identifier(name, "capture_key", self.capture_key)
-        _identifier(name, "model_call_id", self.model_call_id)
-        _optional_identifier(name, "parent_call_id", self.parent_call_id)
+        check.versions(name, self)
+        check.optional_identifier(name, "capture_key", self.capture_key)
+        check.identifier(name, "model_call_id", self.model_call_id)
+        check.optional_identifier(name, "parent_call_id", self.parent_call_id)
         for field in ("prev_len", "delta_len", "cum_len", "weight_version", "fingerprint_version"):
-            _non_negative(name, field, getattr(self, field))
+            check.non_negative(name, field, getattr(self, field))
         for field in ("digest", "extras_digest", "chain_hash", "cumulative_hash"):
-            _digest_hex(name, field, getattr(self, field))
-        _optional_digest_hex(name, "output_fingerprint", self.output_fingerprint)
-        _optional_digest_hex(name, "continuation_fingerprint", self.continuation_fingerprint)
-        _identifier(name, "staging_key", self.staging_key)
-        _identifier(name, "response_id", self.response_id)
-        _literal(name, "mode", self.mode, ("text", "token_in"))
-        _strict_float(name, "admitted_at", self.admitted_at)
+            check.digest_hex(name, field, getattr(self, field))
+        check.optional_digest_hex(name, "output_fingerprint", self.output_fingerprint)
+        check.optional_digest_hex(name, "continuation_fingerprint", self.continuation_fingerprint)
+        check.identifier(name, "staging_key", self.staging_key)
+        check.identifier(name, "response_id", self.response_id)
+        check.literal(name, "mode", self.mode, ("text", "token_in"))
+        check.strict_float(name, "admitted_at", self.admitted_at)
         if self.delta_len <= 0:
-            raise _fail(name, "delta_len must be > 0")
+            raise check.fail(name, "delta_len must be > 0")
         if self.cum_len != self.prev_len + self.delta_len:
-            raise _fail(name, "cum_len must equal prev_len + delta_len")
-        _lineage(name, self.parent_call_id, self.prev_len, self.mode)
+            raise check.fail(name, "cum_len must equal prev_len + delta_len")
+        check.lineage(name, self.parent_call_id, self.prev_len, self.mode)
 
 
 class CaptureLedgerCommit(_Wire, frozen=True, kw_only=True):
@@ -646,36 +518,36 @@ class CaptureLedgerCommit(_Wire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "CaptureLedgerCommit"
-        _schema(name, self.schema_version)
-        _identifier(name, "rollout_id", self.rollout_id)
+        check.schema(name, self.schema_version)
+        check.identifier(name, "rollout_id", self.rollout_id)
         if not isinstance(self.record, CallRecord):
-            raise _fail(name, "record must be a CallRecord")
-        _instances(name, "parent_manifest", self.parent_manifest, CallRecord)
-        _instances(name, "request_items", self.request_items, dict)
-        _instances(name, "response_items", self.response_items, dict)
+            raise check.fail(name, "record must be a CallRecord")
+        check.instances(name, "parent_manifest", self.parent_manifest, CallRecord)
+        check.instances(name, "request_items", self.request_items, dict)
+        check.instances(name, "response_items", self.response_items, dict)
         for field in ("request_items", "response_items"):
             try:
                 _digest.check_nesting(getattr(self, field), field)
             except ValueError as exc:
-                raise _fail(name, str(exc)) from exc
+                raise check.fail(name, str(exc)) from exc
         for key in self.staging_chain:
-            _identifier(name, "staging_chain entry", key)
+            check.identifier(name, "staging_chain entry", key)
         manifest = self.parent_manifest
         if not manifest:
             return
         ids = [row.model_call_id for row in manifest]
         if len(set(ids)) != len(ids) or self.record.model_call_id in ids:
-            raise _fail(name, "parent_manifest has duplicate ids or repeats the record")
+            raise check.fail(name, "parent_manifest has duplicate ids or repeats the record")
         if any(row.capture_key is None for row in manifest):
-            raise _fail(name, "every parent_manifest row needs a capture_key")
+            raise check.fail(name, "every parent_manifest row needs a capture_key")
         if manifest[0].parent_call_id is not None:
-            raise _fail(name, "parent_manifest must start at a root")
+            raise check.fail(name, "parent_manifest must start at a root")
         for previous, row in itertools.pairwise(manifest):
             if row.parent_call_id != previous.model_call_id or row.prev_len != previous.cum_len:
-                raise _fail(name, "parent_manifest must form one contiguous chain")
+                raise check.fail(name, "parent_manifest must form one contiguous chain")
         last = manifest[-1]
         if self.record.parent_call_id != last.model_call_id or self.record.prev_len != last.cum_len:
-            raise _fail(name, "the last parent_manifest row must be the record's parent, ending at its prev_len")
+            raise check.fail(name, "the last parent_manifest row must be the record's parent, ending at its prev_len")
 
 
 class ManifestFailure(_Wire, frozen=True, kw_only=True):
@@ -683,9 +555,9 @@ class ManifestFailure(_Wire, frozen=True, kw_only=True):
     reason: str
 
     def __post_init__(self) -> None:
-        _schema("ManifestFailure", self.schema_version)
-        _identifier("ManifestFailure", "model_call_id", self.model_call_id)
-        _identifier("ManifestFailure", "reason", self.reason)
+        check.schema("ManifestFailure", self.schema_version)
+        check.identifier("ManifestFailure", "model_call_id", self.model_call_id)
+        check.identifier("ManifestFailure", "reason", self.reason)
 
 
 class RolloutManifest(_Wire, frozen=True, kw_only=True):
@@ -694,10 +566,10 @@ class RolloutManifest(_Wire, frozen=True, kw_only=True):
     failures: list[ManifestFailure] = []
 
     def __post_init__(self) -> None:
-        _schema("RolloutManifest", self.schema_version)
-        _identifier("RolloutManifest", "rollout_id", self.rollout_id)
-        _instances("RolloutManifest", "records", self.records, CallRecord)
-        _instances("RolloutManifest", "failures", self.failures, ManifestFailure)
+        check.schema("RolloutManifest", self.schema_version)
+        check.identifier("RolloutManifest", "rollout_id", self.rollout_id)
+        check.instances("RolloutManifest", "records", self.records, CallRecord)
+        check.instances("RolloutManifest", "failures", self.failures, ManifestFailure)
 
 
 class RolloutRemoval(_Wire, frozen=True, kw_only=True):
@@ -705,11 +577,11 @@ class RolloutRemoval(_Wire, frozen=True, kw_only=True):
     absent: list[str] = []
 
     def __post_init__(self) -> None:
-        _schema("RolloutRemoval", self.schema_version)
-        _instances("RolloutRemoval", "removed", self.removed, str)
-        _instances("RolloutRemoval", "absent", self.absent, str)
+        check.schema("RolloutRemoval", self.schema_version)
+        check.instances("RolloutRemoval", "removed", self.removed, str)
+        check.instances("RolloutRemoval", "absent", self.absent, str)
         for value in [*self.removed, *self.absent]:
-            _identifier("RolloutRemoval", "rollout id", value)
+            check.identifier("RolloutRemoval", "rollout id", value)
 
 
 TerminalSelection = Literal["declared", "response_id", "content", "heuristic"]
@@ -727,113 +599,28 @@ class RolloutReceipt(_DigestWire, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         name = "RolloutReceipt"
-        _versions(name, self)
-        _identifier(name, "rollout_id", self.rollout_id)
-        _strict_float(name, "reward", self.reward)
-        _optional_identifier(name, "terminal_model_call_id", self.terminal_model_call_id)
-        _instances(name, "manifest", self.manifest, CallRecord)
-        _optional_text(name, "failure_reason", self.failure_reason)
-        _optional_text(name, "terminal_attribution_reason", self.terminal_attribution_reason)
+        check.versions(name, self)
+        check.identifier(name, "rollout_id", self.rollout_id)
+        check.strict_float(name, "reward", self.reward)
+        check.optional_identifier(name, "terminal_model_call_id", self.terminal_model_call_id)
+        check.instances(name, "manifest", self.manifest, CallRecord)
+        check.optional_text(name, "failure_reason", self.failure_reason)
+        check.optional_text(name, "terminal_attribution_reason", self.terminal_attribution_reason)
         if type(self.capture_poisoned) is not bool:
-            raise _fail(name, "capture_poisoned must be a bool")
+            raise check.fail(name, "capture_poisoned must be a bool")
         if self.terminal_selection is not None:
-            _literal(
+            check.literal(
                 name, "terminal_selection", self.terminal_selection, ("declared", "response_id", "content", "heuristic")
             )
         ids = [row.model_call_id for row in self.manifest]
         if len(set(ids)) != len(ids):
-            raise _fail(name, "manifest model_call_ids must be unique")
+            raise check.fail(name, "manifest model_call_ids must be unique")
         if self.terminal_model_call_id is not None and self.terminal_model_call_id not in ids:
-            raise _fail(name, "the terminal call is absent from the manifest")
+            raise check.fail(name, "the terminal call is absent from the manifest")
         if not self.capture_poisoned:
             if self.failure_reason is not None:
-                raise _fail(name, "an unpoisoned receipt cannot carry a failure_reason")
+                raise check.fail(name, "an unpoisoned receipt cannot carry a failure_reason")
             if self.terminal_model_call_id is None or self.terminal_selection is None:
-                raise _fail(name, "an unpoisoned receipt must name its terminal call and selection method")
+                raise check.fail(name, "an unpoisoned receipt must name its terminal call and selection method")
         if self.terminal_selection is None and (self.terminal_model_call_id is not None or self.failure_reason is None):
-            raise _fail(name, "a receipt without a selection needs a null terminal and a failure_reason")
-
-
-# --- codecs -------------------------------------------------------------------------------
-
-T = TypeVar("T", bound=msgspec.Struct)
-
-
-def _enc_hook(value: Any) -> Any:
-    if isinstance(value, (TokenIds, FloatColumn)):
-        return value.tolist()
-    raise NotImplementedError(f"cannot encode {type(value).__name__}")
-
-
-_JSON_ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
-_MSGPACK_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_JSON_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
-_MSGPACK_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
-
-
-def to_json(record: msgspec.Struct) -> bytes:
-    """Encode a record as JSON with Gym's field names."""
-    return _encode(_JSON_ENCODER, record)
-
-
-def to_msgpack(record: msgspec.Struct) -> bytes:
-    return _encode(_MSGPACK_ENCODER, record)
-
-
-# What an encoder raises for a value it cannot write: text that is not Unicode, an int
-# beyond msgpack's range, a type it does not know, a free-form payload nested too deep.
-_ENCODE_ERRORS = (msgspec.EncodeError, UnicodeEncodeError, OverflowError, TypeError, ValueError, RecursionError)
-
-
-def _encode(encoder: Any, record: msgspec.Struct) -> bytes:
-    try:
-        return encoder.encode(record)  # type: ignore[no-any-return]
-    except NotImplementedError as exc:  # from the encode hook
-        raise InvalidRecordError(f"cannot encode {type(record).__name__}: {exc}") from exc
-    except _ENCODE_ERRORS as exc:
-        raise InvalidRecordError(f"cannot encode {type(record).__name__}: {type(exc).__name__}: {exc}") from exc
-
-
-def from_json(data: bytes | str, record_type: type[T]) -> T:
-    """Decode and fully validate a record (a staged record's digest is verified)."""
-    decoder = _JSON_DECODERS.get(_wire_type(record_type))
-    if decoder is None:
-        decoder = _JSON_DECODERS[record_type] = msgspec.json.Decoder(record_type)
-    return _decode(decoder, data, record_type, (bytes, bytearray, memoryview, str))
-
-
-def from_msgpack(data: bytes, record_type: type[T]) -> T:
-    decoder = _MSGPACK_DECODERS.get(_wire_type(record_type))
-    if decoder is None:
-        decoder = _MSGPACK_DECODERS[record_type] = msgspec.msgpack.Decoder(record_type)
-    return _decode(decoder, data, record_type, (bytes, bytearray, memoryview))
-
-
-def _wire_type(record_type: type[T]) -> type[T]:
-    if not (isinstance(record_type, type) and issubclass(record_type, msgspec.Struct)):
-        raise InvalidRecordError(f"record_type must be a wire record class, got {record_type!r}")
-    return record_type
-
-
-def _decode(decoder: Any, data: Any, record_type: type[T], accepted: tuple[type, ...]) -> T:
-    name = record_type.__name__
-    if not isinstance(data, accepted):
-        raise InvalidRecordError(
-            f"{name}: cannot decode a {type(data).__name__}; pass {' or '.join(t.__name__ for t in accepted)}"
-        )
-    try:
-        return decoder.decode(data)  # type: ignore[no-any-return]
-    except msgspec.ValidationError as exc:
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, InvalidRecordError):
-            raise type(cause)(f"{cause} (decoding {name})") from exc
-        raise InvalidRecordError(f"{name}: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRecordError(f"{name}: malformed input: {exc}") from exc
-    except UnicodeEncodeError as exc:  # a str input holding a lone surrogate
-        raise InvalidRecordError(f"{name}: the input is not valid Unicode text ({exc.reason})") from exc
-    except RecursionError as exc:  # msgspec nests deeper than Python allows before any check of ours runs
-        raise InvalidRecordError(
-            f"{name}: the input nests too deeply (extras may nest at most EXTRAS_MAX_DEPTH = "
-            f"{_digest.EXTRAS_MAX_DEPTH} levels)"
-        ) from exc
+            raise check.fail(name, "a receipt without a selection needs a null terminal and a failure_reason")

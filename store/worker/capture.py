@@ -26,6 +26,7 @@ from store.errors import (
 from store.log.events import AdmissionBody, EventKind, Span
 from store.projections.fold import TERMINAL_STATES
 from store.store import Store
+from store.wire.codec import to_json
 from store.wire.columns import TokenIds
 from store.wire.cut_records import GenerationCutInventory, GenerationCutPrefixAck, GenerationCutReceipt
 from store.wire.digest import compute_chain_hash, hash_token_columns, u64
@@ -36,7 +37,6 @@ from store.wire.records import (
     StagedCallBaseSnapshot,
     StagedCallRecord,
     StageResult,
-    to_json,
 )
 from store.worker import resume
 from store.worker.active_call import (

@@ -25,6 +25,7 @@ from store.errors import (
 from store.log.events import Completion, EventKind
 from store.store import StageEntry, Store
 from store.wire import continuations
+from store.wire.codec import from_json, to_json
 from store.wire.columns import FloatColumn, TokenIds
 from store.wire.cut_records import (
     GenerationCutInventory,
@@ -33,12 +34,7 @@ from store.wire.cut_records import (
     GenerationCutReceipt,
     chunk_staging_key,
 )
-from store.wire.records import (
-    CommitCoords,
-    StagedCallRecord,
-    from_json,
-    to_json,
-)
+from store.wire.records import CommitCoords, StagedCallRecord
 from store.worker.active_call import (
     ActiveCall,
     build_generation_chunk_record,
