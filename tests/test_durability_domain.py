@@ -9,6 +9,7 @@ file, or a PostgreSQL server of the test's own where the test stops and starts i
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from store import (
     StageResult,
     open_store,
 )
+from store.cli.app import main
 from store.log.events import CutReceiptBody
 
 CALLS = range(1, 4)
@@ -97,7 +99,9 @@ def test_the_local_domain_keeps_its_receipts_bytes_and_says_local(store_url: str
 # --- the replicated domain ---------------------------------------------------------------------
 
 
-def test_a_replicated_cut_is_in_the_replica_and_continues_from_it_alone(store_url: str, tmp_path: Path) -> None:
+def test_a_replicated_cut_is_in_the_replica_and_continues_from_it_alone(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     reference = rh.uninterrupted(open_store(tmp_path / "reference.db"), CALLS)
     replica = replica_path(tmp_path)
     with open_store(store_url, replica=replica, domain="replicated") as worker:
@@ -114,6 +118,12 @@ def test_a_replicated_cut_is_in_the_replica_and_continues_from_it_alone(store_ur
         assert restored.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
         (kept,) = restored.cut_receipts()
         assert kept == receipt
+        # What an orchestrator that lost the worker's host reads: every acknowledgement replicated.
+        assert main(["receipts", replica, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["domains"] == ["replicated"]
+        assert main(["receipts", replica]) == 0
+        rows = capsys.readouterr().out.splitlines()[3 : 3 + len(CALLS)]  # after a count, the header and a rule
+        assert [row.split()[3:5] for row in rows] == [["durable_prefix", "replicated"]] * len(CALLS)
         for call in CALLS:
             assert rh.continue_from(restored, call) == reference[call]
         assert restored.audit().ok

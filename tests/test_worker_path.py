@@ -441,9 +441,12 @@ def test_receipts_are_listed_by_checkpoint_and_by_rollout(
     shown = json.loads(capsys.readouterr().out)
     assert code == 0 and [r["checkpoint_id"] for r in shown["receipts"]] == ["checkpoint-1"]
     assert shown["receipts"][0]["prefixes"][0]["prefix_token_count"] == CUT_AFTER
+    assert shown["domains"] == ["local"]  # durable in this store: a host loss would lose it
     code = main(["receipts", store_url, "--checkpoint", "checkpoint-2"])
     table = capsys.readouterr().out
     assert code == 0 and "q" in table and "durable_prefix" in table
+    lines = table.splitlines()  # a count, the header, a rule, then the rows
+    assert lines[1].split()[5] == "domain" and lines[3].split()[4] == "local"
 
 
 # --- defect 6: the smaller ones -------------------------------------------------------------------

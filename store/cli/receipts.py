@@ -21,13 +21,20 @@ if TYPE_CHECKING:
 @store_argument
 @click.option("--checkpoint", "checkpoint_id", help="Only this checkpoint's receipts.")
 @click.option("--rollout", "rollout_id", help="Only acknowledgements of this rollout (bare id or capture key).")
-@click.option("--json", "as_json", is_flag=True, help="Print the receipts as JSON (each as the worker returned it).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the receipts as JSON (each as the worker returned it) and the domain each is durable in.",
+)
 def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | None, as_json: bool) -> int:
     """List the cut receipts workers returned, oldest first, one row per acknowledged call.
 
     What an orchestrator that lost its process needs to continue a cut call: the staging keys,
     generated-token count, digest and output limit of each durable prefix (a worker continues
-    one with RolloutTokenCapture.continue_latest_cut).  The store is opened read-only.
+    one with RolloutTokenCapture.continue_latest_cut), and where it is durable: "local" (in the
+    store that served the cut) or "replicated" (in that store's replica before it was
+    acknowledged: a host loss keeps it).  The store is opened read-only.
     Exit 1 when --rollout names a rollout the store does not hold, or --checkpoint a checkpoint
     it kept no receipt of.
     """
@@ -35,6 +42,8 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
 
     with read_only(store) as opened:
         found = opened.cut_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)
+        # Kept with each receipt's event (not in the receipt's wire bytes, which are Gym's).
+        domains = [opened.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) for receipt in found]
         where = shown(opened)
         if rollout_id is not None and not found:
             known_rollout(opened, rollout_id.rsplit("-a", 1)[0] if _is_capture_key(rollout_id) else rollout_id)
@@ -43,17 +52,19 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
     if as_json:
         import json
 
-        output.emit_json({"store": where, "receipts": [json.loads(to_json(receipt)) for receipt in found]})
+        output.emit_json(
+            {"store": where, "receipts": [json.loads(to_json(receipt)) for receipt in found], "domains": domains}
+        )
         return exits.OK
     rows = [
-        _row(receipt.checkpoint_id, ack)
-        for receipt in found
+        _row(receipt.checkpoint_id, domain, ack)
+        for receipt, domain in zip(found, domains, strict=True)
         for ack in receipt.prefixes
         if rollout_id is None or rollout_id in (ack.rollout_id, _capture_key(ack))
     ]
     output.listing(
         f"{len(found)} receipt(s), {len(rows)} acknowledgement(s)",
-        ["checkpoint", "capture key", "call", "disposition", "kind", "tokens", "limit", "finish", "keys"],
+        ["checkpoint", "capture key", "call", "disposition", "domain", "kind", "tokens", "limit", "finish", "keys"],
         rows,
     )
     output.show(f"store: {where}")
@@ -72,12 +83,14 @@ def _capture_key(ack: GenerationCutPrefixAck) -> str:
     return capture_key(ack.rollout_id, ack.attempt_index)
 
 
-def _row(checkpoint_id: str, ack: GenerationCutPrefixAck) -> list[Any]:
+def _row(checkpoint_id: str, domain: str | None, ack: GenerationCutPrefixAck) -> list[Any]:
     return [
         checkpoint_id,
         _capture_key(ack),
         ack.model_call_id,
         ack.disposition,
+        # Only a durable_prefix acknowledgement is durable somewhere: a durable_failure names none.
+        domain if ack.disposition == "durable_prefix" else None,
         ack.cut_kind,
         ack.prefix_token_count,
         ack.effective_output_limit,
