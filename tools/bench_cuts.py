@@ -19,7 +19,13 @@
     each (10% carried prompt, the rest observed), then a second cut after 256 more tokens
     per call.  No target: total and per-call times are reported.
 
-    .venv/bin/python tools/bench_cuts.py [--quick] [--json] [--profile]
+(c) What a call's chunk count costs every later cut: one live call cut every 16 tokens, each
+    cut adding a chunk (as a periodic flush adds one), so its acknowledgement lists one more
+    staging key each time (Gym's ack names every key of the prefix).  The cut's wall time and
+    the receipt's JSON size are reported at 8, 64, 256, 1,024 and 2,048 keys (the median of
+    the 8 cuts up to each).  No target: it tells a worker author how coarse to flush.
+
+    .venv/bin/python tools/bench_cuts.py [--quick] [--json] [--profile] [--only a|b|c]
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from store import (
     TokenIds,
     capture_key,
     open_store,
+    to_json,
 )
 from store.log.events import EventKind
 from store.worker.capture import _admission_body as admission_body
@@ -450,10 +457,52 @@ def bench_serve(report: Report, args: Any, folder: str, rng: np.random.Generator
     }
 
 
+# --- (c) a cut's cost as the call's chunks accumulate -------------------------------------------
+
+KEY_MARKS = (8, 64, 256, 1024, 2048)
+TOKENS_PER_CUT = 16
+
+
+def bench_keys(report: Report, args: Any, folder: str, rng: np.random.Generator) -> None:
+    marks = KEY_MARKS[:3] if args.quick else KEY_MARKS
+    with open_store(os.path.join(folder, "keys.db"), durability="full") as store:
+        capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: WEIGHT_VERSION)
+        try:
+            call = capture.begin_call(CaptureAdmission(rollout_id="r-keys", model_call_id="c0", mode="text"))
+            capture.track(call, prompt_token_ids=ids(rng, 16), effective_output_limit=TOKENS_PER_CUT * marks[-1])
+            ticket = GenerationCutPrefix(
+                ticket_id="t0", rollout_id="r-keys", attempt_index=0, model_call_id="c0", admitted_at=1.0
+            )
+            window: list[tuple[float, int]] = []
+            rows = []
+            for cut in range(1, marks[-1] + 1):
+                capture.observe(call, ids(rng, TOKENS_PER_CUT), logprobs(rng, TOKENS_PER_CUT))
+                inventory = GenerationCutInventory.build(
+                    checkpoint_id=f"k{cut}", server_name="policy", active_prefixes=[ticket]
+                )
+                start = time.perf_counter()
+                receipt = capture.serve_generation_cut(inventory)
+                window.append((time.perf_counter() - start, len(to_json(receipt))))
+                (ack,) = receipt.prefixes
+                if len(ack.staging_keys) != cut or ack.prefix_token_count != cut * TOKENS_PER_CUT:
+                    raise AssertionError(f"cut {cut}: {len(ack.staging_keys)} keys, {ack.prefix_token_count} tokens")
+                if cut in marks:
+                    last = window[-8:]
+                    rows.append((cut, statistics.median(t for t, _ in last), last[-1][1]))
+        finally:
+            capture.close()
+    report.table(
+        f"(c) a cut of one live call holding N chunks (a cut every {TOKENS_PER_CUT} tokens; median of 8 cuts)",
+        ["staging keys in its ack", "cut wall time", "receipt JSON"],
+        [[f"{keys:,}", fmt_seconds(seconds), f"{size:,} B"] for keys, seconds, size in rows],
+    )
+    report.results["c"] = [{"keys": keys, "cut_s": seconds, "receipt_bytes": size} for keys, seconds, size in rows]
+
+
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--profile", action="store_true", help="cProfile 30 begin_calls of (a), top 10 to stderr")
-    p.add_argument("--only", choices=("a", "b"), default=None, help="run only part (a) or (b)")
+    p.add_argument("--only", choices=("a", "b", "c"), default=None, help="run only part (a), (b) or (c)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds of (a) (default 41, --quick 5)")
     p.add_argument(
         "--clock",
@@ -470,6 +519,8 @@ def main() -> int:
         parts.append(bench_continuation)
     if args.only in (None, "b"):
         parts.append(bench_serve)
+    if args.only in (None, "c"):
+        parts.append(bench_keys)
     with temp_dir(args.dir) as folder:
         for part in parts:
             part(report, args, folder, rng)
