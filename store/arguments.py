@@ -20,6 +20,7 @@ from store.log.events import BODY_TYPES, RECORD_KINDS, Completion, EventKind, Sp
 from store.wire.columns import FloatColumn
 from store.wire.cut_records import GENERATION_CUT_KEY_PREFIX, is_cut_key_of
 from store.wire.digest import compute_extras_digest
+from store.wire.field_checks import plain_texts
 from store.wire.field_checks import short as _shown
 
 _U64_MAX = 2**64 - 1
@@ -46,6 +47,8 @@ def texts(name: str, values: Any) -> list[str]:
     """A list or tuple of non-empty strings (a single string is refused, not split into characters)."""
     if not isinstance(values, (list, tuple)):
         raise InvalidRecordError(f"{name} must be a list of strings, got {type(values).__name__}")
+    if plain_texts(values):
+        return list(values)
     return [text(f"{name} entry", value) for value in values]
 
 

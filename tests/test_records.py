@@ -821,3 +821,31 @@ def test_hash_helpers_used_by_the_factories_agree() -> None:
     record = child_record()
     assert record.chain_hash == compute_chain_hash(H1, [10, 11, 12, 20, 21])
     assert record.cumulative_hash == hash_token_ids([1, 2, 10, 11, 12, 20, 21])
+
+
+def test_a_list_of_keys_is_checked_in_one_pass_and_a_bad_entry_is_still_named() -> None:
+    """``plain_texts`` (the one-pass check of a key list, as a cut's ack and ``stage_all``'s
+    ``acknowledged`` make at every cut) passes only what the per-entry checks pass: a lone
+    surrogate anywhere (also one half of a pair split across two keys), an empty key, a
+    non-str; the per-entry check then names the bad one."""
+    from store import arguments
+    from store.wire import field_checks as check
+
+    class Key(str):
+        pass
+
+    good = ["a/0", "a/1", "é/2"]
+    assert check.plain_texts(good) and check.plain_texts([])
+    for bad in (["a", "\ud800"], ["a\ud800", "\udc00b"], ["a", ""], ["a", 7], [Key("a")]):
+        assert not check.plain_texts(bad), bad
+    assert arguments.texts("keys", good) == good
+    assert arguments.texts("keys", [Key("x")]) == ["x"]  # a str subclass passes the per-entry check
+    with pytest.raises(InvalidRecordError, match="keys entry is not valid Unicode text"):
+        arguments.texts("keys", ["a", "b\ud800"])
+    with pytest.raises(InvalidRecordError, match="keys entry must be a non-empty string, got ''"):
+        arguments.texts("keys", ["a", ""])
+    check.unique("Ack", "staging_keys", good)
+    with pytest.raises(InvalidRecordError, match="staging_keys entry is not valid Unicode text"):
+        check.unique("Ack", "staging_keys", ["a\ud800", "\udc00b"])
+    with pytest.raises(InvalidRecordError, match="staging_keys must be unique"):
+        check.unique("Ack", "staging_keys", ["a", "a"])

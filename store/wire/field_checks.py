@@ -114,9 +114,23 @@ def optional_text(record: str, name: str, value: Any) -> None:
         encodable(record, name, value)
 
 
+def plain_texts(values: Sequence[Any]) -> bool:
+    """Whether every value is a non-empty ``str`` that encodes as UTF-8, checked in one pass:
+    a call's staging keys are checked at every cut and grow with its chunks (the caller's own
+    check of each value runs only when this is False, and names the bad one)."""
+    if not all(type(value) is str and value for value in values):
+        return False
+    try:
+        "".join(values).encode("utf-8")  # strict: any lone surrogate fails, wherever it stands
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def unique(record: str, name: str, values: Sequence[str]) -> None:
-    for value in values:
-        identifier(record, f"{name} entry", value)
+    if not plain_texts(values):
+        for value in values:
+            identifier(record, f"{name} entry", value)
     if len(set(values)) != len(values):
         raise fail(record, f"{name} must be unique")
 
