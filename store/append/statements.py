@@ -151,39 +151,46 @@ class WriteStatements:
         """``held_keys_statement`` on this transaction's engine."""
         return held_keys_statement(self._engine, count)
 
+    def held_count(self, count: int) -> Statement:
+        """``held_keys_statement(..., counted=True)`` on this transaction's engine."""
+        return held_keys_statement(self._engine, count, counted=True)
 
-_HELD_KEYS: dict[tuple[str, str, str, int], Statement] = {}
+
+_HELD_KEYS: dict[tuple[str, str, str, int, bool], Statement] = {}
 
 
-def held_keys_statement(engine: Engine, count: int) -> Statement:
+def held_keys_statement(engine: Engine, count: int, *, counted: bool = False) -> Statement:
     """Which of ``count`` staging keys (binds ``k0`` ... ) hold a record, and their event's seq:
-    rows of (staging_key, event_seq).  Compiled once per count and driver for the process
-    (about 1.4 ms for 64 keys: a store opened per job must not pay it on its first cut)."""
+    rows of (staging_key, event_seq); ``counted``: one row, how many of them do (a key bound
+    twice counts once).  Compiled once per count and driver for the process (about 1.4 ms for
+    64 keys: a store opened per job must not pay it on its first cut)."""
     dialect = engine.dialect
-    cache_key = (dialect.name, dialect.driver, dialect.paramstyle, count)
+    cache_key = (dialect.name, dialect.driver, dialect.paramstyle, count, counted)
     statement = _HELD_KEYS.get(cache_key)
     if statement is None:
         keys = schema.staged_keys
-        wanted: list[sa.BindParameter[str]] = [sa.bindparam(f"k{index}", type_=sa.String) for index in range(count)]
-        query = sa.select(keys.c.staging_key, keys.c.event_seq).where(keys.c.staging_key.in_(wanted))
+        wanted: list[sa.BindParameter[str]] = [sa.bindparam(name, type_=sa.String) for name in _BIND_NAMES[:count]]
+        columns = (sa.func.count(),) if counted else (keys.c.staging_key, keys.c.event_seq)
+        query = sa.select(*columns).select_from(keys).where(keys.c.staging_key.in_(wanted))
         statement = _HELD_KEYS[cache_key] = Statement(query, engine)  # the same text whichever thread is first
     return statement
 
 
-def held_keys_binds(staging_keys: Sequence[str]) -> Iterator[tuple[int, dict[str, str]]]:
-    """``staging_keys`` without repeats, as (count, binds) for ``held_keys_statement``: at most
-    ``KEYS_PER_STATEMENT`` keys a statement, in statements of 1, 2, 4, ... keys (the last key
-    repeated): a call cut again and again names one key more each time, and compiling a
-    statement per count cost ~2 ms a cut."""
+def held_keys_binds(staging_keys: Sequence[str]) -> Iterator[tuple[int, dict[str, str], list[str]]]:
+    """``staging_keys`` without repeats, as (count, binds, the keys bound) for
+    ``held_keys_statement``: at most ``KEYS_PER_STATEMENT`` keys a statement, in statements of
+    1, 2, 4, ... keys (the last key repeated): a call cut again and again names one key more
+    each time, and compiling a statement per count cost ~2 ms a cut."""
     wanted = list(dict.fromkeys(staging_keys))
     for start in range(0, len(wanted), KEYS_PER_STATEMENT):
         part = wanted[start : start + KEYS_PER_STATEMENT]
         size = 1 << (len(part) - 1).bit_length()
-        yield size, {f"k{index}": part[min(index, len(part) - 1)] for index in range(size)}
+        yield size, dict(zip(_BIND_NAMES[:size], part + part[-1:] * (size - len(part)), strict=True)), part
 
 
 KEY_INSERT_COLUMNS = ("staging_key", "event_seq", "rollout_id", "model_call_id", "digest")
 KEYS_PER_STATEMENT = 256  # staging keys one ``held_keys_statement`` asks about
+_BIND_NAMES = tuple(f"k{index}" for index in range(KEYS_PER_STATEMENT))
 
 
 def unnest_insert(table: sa.Table, engine: Engine) -> tuple[str, tuple[str, ...]]:

@@ -397,7 +397,7 @@ def key_seqs(reader: Reader, keys: Sequence[str]) -> dict[str, int]:
     if not keys:
         return found
     with reader.connection("reading the seqs of staged keys") as connection:
-        for size, values in held_keys_binds(keys):
+        for size, values, _ in held_keys_binds(keys):
             statement = held_keys_statement(reader.engine, size)
             rows = connection.exec_driver_sql(statement.sql, statement.params(values))
             found.update((str(key), int(seq)) for key, seq in rows)
