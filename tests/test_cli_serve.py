@@ -158,3 +158,11 @@ def test_serve_refuses_more_connections_than_the_fd_limit_allows(
     code, err = _run(capsys, "serve", store, "--token-file", str(token), "--max-connections", "1000")
     line = _one_line(err)
     assert code == 2 and "the limit is 1024" in line and "ulimit -n" in line
+
+
+def test_serve_refuses_a_replica_wait_without_a_replica(made: tuple[str, Path], capsys: Any) -> None:
+    store, token = made
+    code, err = _run(capsys, "serve", store, "--token-file", str(token), "--replica-wait", "3")
+    assert code == 2 and "--replica-wait needs --replica" in _one_line(err)
+    code, err = _run(capsys, "serve", store, "--token-file", str(token), "--replica", "r.db", "--replica-wait", "0")
+    assert code == 2 and "--replica-wait" in _one_line(err)

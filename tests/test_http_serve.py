@@ -151,3 +151,41 @@ def test_serve_over_tls_and_a_silent_handshake_is_dropped_at_the_header_deadline
             assert gone and time.monotonic() - start < 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_serve_with_a_replica_answers_cuts_durable_in_it(tmp_path: Path) -> None:
+    """``serve --replica``: the standalone server's store is in the replicated domain, so a cut's
+    acknowledgements (here of completed calls) are in the replica before they are answered, and
+    the receipt says so; the replica alone holds every acknowledged record and the receipt."""
+    import replica_helpers as rh
+
+    worker, replica = tmp_path / "worker.db", tmp_path / "replica.db"
+    calls = [1, 2, 3]
+    with open_store(worker) as store:
+        rh.uninterrupted(store, calls)
+    open_store(replica).close()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    sent = rh.inventory("checkpoint-r", calls)
+    serve = [sys.executable, "-c", "import sys; from store.cli import main; sys.exit(main())"]
+    serve += ["serve", str(worker), "--token-file", str(token_file), "--port", "0"]
+    serve += ["--replica", str(replica), "--replica-wait", "30"]
+    with _process(serve, "serving ") as (proc, line):
+        assert f"(answers durable in the replica {replica})" in line
+        with httpx.Client(base_url=line.rsplit(" ", 1)[1], timeout=60) as http:
+            answer = http.post(CUT, content=to_json(sent), headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        receipt = from_json(answer.content, GenerationCutReceipt)
+        assert [(ack.disposition, ack.cut_kind) for ack in receipt.prefixes] == [
+            ("durable_prefix", "terminal_completion")
+        ] * len(calls)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    with open_store(worker) as store:
+        assert store.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
+    with open_store(replica) as store:
+        keys = [key for ack in receipt.prefixes for key in ack.staging_keys]
+        assert [snapshot.staging_key for snapshot in store.fetch(keys)] == keys
+        assert store.cut_receipts() == [receipt]
+        assert store.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"

@@ -68,7 +68,17 @@ def location(given: str | None) -> str:
 def shown(store: Store) -> str:
     """The store as the user knows it: a SQLite file's path, or the URL without its password
     (with its ``?schema=``, and ``postgresql://`` rather than the driver's name)."""
-    url = store.url
+    return _plain(store.url)
+
+
+def shown_location(where: str) -> str:
+    """``shown`` of a store not opened here (a replica), from its path or URL."""
+    from store.log.engine import resolve_url
+
+    return _plain(resolve_url(where).render_as_string(hide_password=True))
+
+
+def _plain(url: str) -> str:
     for prefix, plain in (("sqlite+pysqlite:///", ""), ("postgresql+psycopg://", "postgresql://")):
         if url.startswith(prefix):
             return plain + url[len(prefix) :]
@@ -85,8 +95,9 @@ def read_only(given: str | None) -> Iterator[Store]:
 
 
 @contextmanager
-def writable(given: str | None) -> Iterator[Store]:
-    """Open an existing store for writing (a write command); a missing file is refused, not created."""
+def writable(given: str | None, **options: Any) -> Iterator[Store]:
+    """Open an existing store for writing (a write command); a missing file is refused, not
+    created.  ``options``: ``open_store``'s keyword arguments (a durability domain)."""
     from store.log.engine import resolve_url
     from store.store import open_store
 
@@ -96,5 +107,5 @@ def writable(given: str | None) -> Iterator[Store]:
         raise CommandError(f"no store at {url.database}; write commands never create one (see `migrate --create`)")
     with open_store(where, read_only=True):  # exists, is a store, has this schema: else a one-line error
         pass
-    with open_store(where) as store:
+    with open_store(where, **options) as store:
         yield store

@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from store.cli import exits
-from store.cli.opening import STORE_HELP, shown, store_argument, writable
+from store.cli.opening import STORE_HELP, shown, shown_location, store_argument, writable
 
 _EXTRA = "the serve command needs the [http] extra: pip install 'staging-store[http]'"
 _SPARE_FDS = 64  # the store's files, the thread pool's connections, logging: beyond the client connections
@@ -79,6 +79,18 @@ _SPARE_FDS = 64  # the store's files, the thread pool's connections, logging: be
     type=click.FloatRange(0.1, 3600),
     help="Seconds a response may wait on a peer that does not read it; then the connection is aborted.",
 )
+@click.option(
+    "--replica",
+    metavar="STORE",
+    help="Another store (a SQLite path or postgresql:// URL) each cut's acknowledgements must be in before "
+    "they are answered: the replicated durability domain, which survives losing this host.  This store's "
+    "log is shipped into it; a call whose records do not reach it in time is answered durable_failure.",
+)
+@click.option(
+    "--replica-wait",
+    type=click.FloatRange(0, 600, min_open=True),
+    help="With --replica: the seconds an answer waits for the replica at most.  [default: 5]",
+)
 def serve(
     store: str | None,
     token_file: Path,
@@ -91,6 +103,8 @@ def serve(
     header_timeout: float,
     body_timeout: float,
     send_timeout: float,
+    replica: str | None,
+    replica_wait: float | None,
 ) -> int:
     """Serve the worker control routes over HTTP until interrupted.
 
@@ -99,6 +113,9 @@ def serve(
     the routes' OpenAPI document is GET /openapi.json.  Prints one line with the address once
     listening; SIGTERM stops it gracefully (exit 0), Ctrl-C too (exit 130, as for every command).
     """
+    if replica_wait is not None and replica is None:
+        raise exits.CommandError("--replica-wait needs --replica (the store the answers wait for)", exits.USAGE)
+    domain = {} if replica is None else {"replica": replica, "domain": "replicated", "replica_wait": replica_wait}
     try:
         import uvicorn  # noqa: F401  (the extra's server; checked here for a one-line error)
 
@@ -116,7 +133,7 @@ def serve(
     def no_admissions() -> int:
         raise CaptureError("the standalone control server admits no calls")
 
-    with writable(store) as opened:
+    with writable(store, **domain) as opened:
         capture = RolloutTokenCapture(store=opened, weight_version_fn=no_admissions)
         try:
             listener = _listen(host, port)
@@ -130,7 +147,9 @@ def serve(
             }
             server = _server(app, tls, limits)
             scheme = "http" if tls is None else "https"
-            sys.stdout.write(f"serving {shown(opened)} on {scheme}://{bound_host}:{bound_port}\n")
+            # The address stays the line's last word (what a supervisor or a test reads).
+            durable = "" if replica is None else f" (answers durable in the replica {shown_location(replica)})"
+            sys.stdout.write(f"serving {shown(opened)}{durable} on {scheme}://{bound_host}:{bound_port}\n")
             sys.stdout.flush()
             server.run(sockets=[listener])
         finally:
