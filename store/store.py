@@ -572,7 +572,6 @@ class Store(LogShipping, DurabilityDomain):
         arguments.text("inventory_digest", inventory_digest)
         return self._reader.cut_receipt(checkpoint_id, inventory_digest)
 
-    @operation
     def cut_receipts(
         self, *, checkpoint_id: str | None = None, rollout_id: str | None = None
     ) -> list[GenerationCutReceipt]:
@@ -581,12 +580,20 @@ class Store(LogShipping, DurabilityDomain):
 
         By checkpoint reads that checkpoint's receipts only; by rollout reads every receipt.
         """
+        return [receipt for receipt, _ in self.kept_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)]
+
+    @operation
+    def kept_receipts(
+        self, *, checkpoint_id: str | None = None, rollout_id: str | None = None
+    ) -> list[tuple[GenerationCutReceipt, str]]:
+        """``cut_receipts``, each with the durability domain it is durable in (``cut_domain``'s
+        ``"local"`` or ``"replicated"``), read with it in one pass."""
         checkpoint = arguments.optional_text("checkpoint_id", checkpoint_id)
         rollout = arguments.optional_text("rollout_id", rollout_id)
-        receipts = [from_json(raw, GenerationCutReceipt) for raw in self._reader.cut_receipts(checkpoint)]
+        kept = [(from_json(raw, GenerationCutReceipt), domain) for raw, domain in self._reader.cut_receipts(checkpoint)]
         if rollout is None:
-            return receipts
-        return [receipt for receipt in receipts if any(_names(ack, rollout) for ack in receipt.prefixes)]
+            return kept
+        return [(receipt, domain) for receipt, domain in kept if any(_names(ack, rollout) for ack in receipt.prefixes)]
 
     def latest_cut(self, rollout_id: str, model_call_id: str) -> GenerationCutPrefixAck | None:
         """The newest ``durable_prefix`` acknowledgement of the call: of its latest attempt that was

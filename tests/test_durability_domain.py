@@ -118,6 +118,7 @@ def test_a_replicated_cut_is_in_the_replica_and_continues_from_it_alone(
         assert restored.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
         (kept,) = restored.cut_receipts()
         assert kept == receipt
+        assert restored.kept_receipts(checkpoint_id=receipt.checkpoint_id) == [(receipt, "replicated")]
         # What an orchestrator that lost the worker's host reads: every acknowledgement replicated.
         assert main(["receipts", replica, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["domains"] == ["replicated"]

@@ -435,6 +435,8 @@ def test_receipts_are_listed_by_checkpoint_and_by_rollout(
     assert [r.checkpoint_id for r in store.cut_receipts(rollout_id="r")] == ["checkpoint-1"]
     assert [r.checkpoint_id for r in store.cut_receipts(rollout_id="q")] == ["checkpoint-2"]
     assert store.cut_receipts(rollout_id="nobody") == []
+    kept = store.kept_receipts(rollout_id="q")
+    assert [(receipt.checkpoint_id, domain) for receipt, domain in kept] == [("checkpoint-2", "local")]
     assert store.latest_cut("r", "c2") == cut_c2.ack
     assert store.latest_cut("q", "c2") is None
     code = main(["receipts", store_url, "--rollout", "r", "--json"])

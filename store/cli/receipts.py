@@ -41,9 +41,10 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
     from store.wire.codec import to_json
 
     with read_only(store) as opened:
-        found = opened.cut_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)
-        # Kept with each receipt's event (not in the receipt's wire bytes, which are Gym's).
-        domains = [opened.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) for receipt in found]
+        # The domain is kept with each receipt's event (not in the receipt's wire bytes, which are Gym's).
+        kept = opened.kept_receipts(checkpoint_id=checkpoint_id, rollout_id=rollout_id)
+        found = [receipt for receipt, _ in kept]
+        domains = [domain for _, domain in kept]
         where = shown(opened)
         if rollout_id is not None and not found:
             known_rollout(opened, rollout_id.rsplit("-a", 1)[0] if _is_capture_key(rollout_id) else rollout_id)

@@ -403,8 +403,9 @@ class Reader:
             raise CorruptRecordError(f"{where} names {describe(row._mapping)}, which is not that receipt")
         return body
 
-    def cut_receipts(self, checkpoint_id: str | None = None) -> list[bytes]:
-        """Every kept cut receipt (JSON), of one checkpoint when given, in log order; checksums verified."""
+    def cut_receipts(self, checkpoint_id: str | None = None) -> list[tuple[bytes, str]]:
+        """Every kept cut receipt (JSON) and the durability domain its event records, of one
+        checkpoint when given, in log order; checksums verified."""
         receipts, events = schema.cut_receipts, schema.events
         query = (
             sa.select(receipts.c.event_seq.label("receipt_event_seq"), *events.c)
@@ -425,7 +426,7 @@ class Reader:
                     raise CorruptRecordError(
                         f"a stored cut receipt names {describe(row._mapping)}, which is no receipt"
                     )
-                found.append(bytes(body.receipt))
+                found.append((bytes(body.receipt), body.domain))
         return found
 
 
