@@ -133,6 +133,7 @@ class ReplicaMachine(RuleBasedStateMachine):
             self.staged_while_down |= self._live_keys() - before
         self.receipts.append(receipt)
         assert self.store.cut_domain(receipt.checkpoint_id, receipt.inventory_digest) == "replicated"
+        assert self.store.kept_receipts(checkpoint_id=receipt.checkpoint_id) == [(receipt, "replicated")]
         with open_store(self.replica_path, read_only=True) as replica:
             for ack, call in zip(receipt.prefixes, calls, strict=True):
                 if ack.disposition != "durable_prefix":
