@@ -238,8 +238,12 @@ def test_a_peer_that_never_reads_its_answers_is_cut_off_at_the_send_deadline(
     peer_port = sock.getsockname()[1]
     try:
         # This connection's own socket in the server, not a count of its sockets: an earlier
-        # test's connection the server closes meanwhile would pass for this one let go.
-        assert _holds_connection(served.pid, peer_port), "the server holds no socket of this connection"
+        # test's connection the server closes meanwhile would pass for this one let go. The
+        # kernel finishes the handshake before the server accepts, so wait for the accept.
+        accepted = time.monotonic() + 10
+        while not _holds_connection(served.pid, peer_port) and time.monotonic() < accepted:
+            time.sleep(0.01)
+        assert _holds_connection(served.pid, peer_port), "the server never accepted this connection"
         sender = threading.Thread(target=lambda: _send_quietly(sock, (head.encode() + body) * 8), daemon=True)
         sender.start()
         deadline = time.monotonic() + SEND_TIMEOUT + 30  # the first cut runs first
