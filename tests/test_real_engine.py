@@ -183,3 +183,21 @@ def test_the_demo_runs_on_the_transformers_engine(tmp_path: Path) -> None:
     assert summary.ok, summary.failures
     assert (summary.rollouts_identical, summary.continuations_validated, summary.audit_ok) == (1, 1, True)
     assert summary.tokens_reused > 0
+
+
+def test_the_engine_feeds_its_inputs_on_the_models_device() -> None:
+    """A model moved off the CPU (``model.to("cuda")`` on a worker with a GPU) gets its input ids
+    on its own device, for the prefill and for every step.  The model here sits on PyTorch's
+    ``meta`` device, which runs a forward without data (no GPU on CI): the ids each forward was
+    given must be on ``meta`` too, where a CPU tensor would fail the first forward on a GPU."""
+    from store.adapters.transformers import TransformersEngine, tiny_llama
+
+    model = tiny_llama(0).to("meta")
+    devices: list[str] = []
+    model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: devices.append(kwargs["input_ids"].device.type), with_kwargs=True
+    )
+    engine = TransformersEngine(model, seed=1)
+    engine.prefill([3, 4, 5])
+    engine._forward([7])  # a step's forward of its sampled token (sampling itself needs values)
+    assert devices == ["meta", "meta"]

@@ -99,6 +99,9 @@ class TransformersEngine:
         if type(temperature) not in (int, float) or not temperature > 0:
             raise ConfigurationError(f"temperature must be a positive number, got {temperature!r}")
         self.model = model
+        # Inputs go where the model's weights are (``model.to("cuda")``); a tensor made on the
+        # CPU for a model on a GPU fails its first forward.
+        self._device = getattr(model, "device", None) or torch.device("cpu")
         self.seed = seed
         self.temperature = float(temperature)
         self._stops = frozenset(int(token) for token in stop_token_ids)
@@ -145,7 +148,9 @@ class TransformersEngine:
         logprobs = torch.log_softmax(self._logits.float(), dim=-1)
         scaled = logprobs if self.temperature == 1.0 else torch.log_softmax(self._logits.float() / self.temperature, -1)
         cumulative = torch.cumsum(torch.exp(scaled.double()), dim=-1)
-        draw = torch.rand((), generator=self._generator(self._position), dtype=torch.float64) * cumulative[-1]
+        # The uniform number is drawn on the CPU (the same in every process and on every device).
+        uniform = float(torch.rand((), generator=self._generator(self._position), dtype=torch.float64))
+        draw = cumulative[-1] * uniform
         token = min(int(torch.searchsorted(cumulative, draw, right=True)), self._vocab - 1)
         logprob = float(logprobs[token])
         self._pending = token
@@ -157,7 +162,7 @@ class TransformersEngine:
     def _forward(self, ids: list[int]) -> Any:
         with torch.inference_mode():
             output = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long),
+                input_ids=torch.tensor([ids], dtype=torch.long, device=self._device),
                 use_cache=True,
                 **{self._cache_argument: self._cache},
             )
