@@ -207,6 +207,7 @@ def test_connection_refused_is_server_unavailable(cluster: Cluster) -> None:
         open_store(cluster.url())
     assert not isinstance(raised.value, ServerStartingError)
     assert "refused" in str(raised.value).lower()
+    assert "\n" not in str(raised.value), "the driver's lines are joined: a log line quoting it stays one"
 
 
 def test_a_server_starting_up_is_server_starting(cluster: Cluster) -> None:

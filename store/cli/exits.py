@@ -34,6 +34,8 @@ def one_line(exc: BaseException) -> str:
     message = str(exc) or type(exc).__name__
     cause = exc.__cause__
     driver_text = str(getattr(cause, "orig", None) or cause or "")
+    if driver_text not in message:  # the store's errors quote a driver's text on one line
+        driver_text = " ".join(driver_text.split())
     if driver_text and driver_text in message:
         message = message.replace(f" ({driver_text})", "").replace(f": {driver_text}", "").replace(driver_text, "")
         if "malformed" in driver_text or "not a database" in driver_text:

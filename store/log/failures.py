@@ -127,7 +127,9 @@ def storage_error(
     seconds without an answer.
     """
     cause = driver_cause(exc)
-    detail = f"{type(cause).__name__}: {cause}".strip()
+    # One line: a driver's message can span several ("...refused\n\tIs the server running..."),
+    # and a log line that quotes this error must stay one line.
+    detail = " ".join(f"{type(cause).__name__}: {cause}".split())
     if cut is None:
         cut = watchdog_cut(exc)
     commit_sent = commit_sent or bool(getattr(cause, COMMIT_SENT_ATTRIBUTE, False))
