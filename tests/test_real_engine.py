@@ -34,7 +34,7 @@ pytest.importorskip("transformers", reason="the real-engine tests need the [tran
 
 import engine_worker  # noqa: E402  (after the skips: it imports torch)
 
-from store import GenerationCutInventory, GenerationCutPrefix, open_store, to_json  # noqa: E402
+from store import ConfigurationError, GenerationCutInventory, GenerationCutPrefix, open_store, to_json  # noqa: E402
 
 LOGPROB_TOLERANCE = 1e-4
 WORKER = Path(__file__).with_name("engine_worker.py")
@@ -201,3 +201,54 @@ def test_the_engine_feeds_its_inputs_on_the_models_device() -> None:
     engine.prefill([3, 4, 5])
     engine._forward([7])  # a step's forward of its sampled token (sampling itself needs values)
     assert devices == ["meta", "meta"]
+
+
+def test_a_cold_temperature_decodes_greedily_and_reports_the_models_own_log_probs() -> None:
+    """At temperature 1e-4 the tempered distribution is the argmax's alone, so every token is
+    the argmax of the model's logits over the sequence so far (checked by one full forward, not
+    the engine's cache); each log-prob is the untempered log-softmax at that token (what vLLM
+    reports by default), within float32 summation order (1e-5)."""
+    from store.adapters.transformers import TransformersEngine, tiny_llama
+
+    model = tiny_llama(4)
+    engine = TransformersEngine(model, seed=9, temperature=1e-4)
+    prompt = [5, 17, 29, 41]
+    engine.prefill(prompt)
+    steps = [engine.step() for _ in range(12)]
+    ids = [token for token, _ in steps]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[*prompt, *ids]])).logits[0, len(prompt) - 1 : -1].float()
+    assert ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(ids)), torch.tensor(ids)].tolist()
+    assert [logprob for _, logprob in steps] == pytest.approx(expected, abs=1e-5)
+    assert list(engine.generated_token_ids) == ids
+
+
+def test_a_stop_token_of_the_transformers_engine_ends_the_call_with_finish_stop(tmp_path: Path) -> None:
+    """``stop_token_ids``: the call ends at the first one decoded (it is the call's last output
+    token), ``finish_reason="stop"``, and the tokens before it are the unstopped engine's."""
+    from store import CaptureAdmission, RolloutTokenCapture, generate
+    from store.adapters.transformers import TransformersEngine, tiny_llama
+
+    model = tiny_llama(2)
+    free = TransformersEngine(model, seed=3)
+    free.prefill([7, 8, 9])
+    unstopped = [free.step()[0] for _ in range(20)]
+    stop = unstopped[5]
+    first = unstopped.index(stop)
+    with open_store(str(tmp_path / "s.db")) as store:
+        capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
+        call = capture.begin_call(CaptureAdmission(rollout_id="r", model_call_id="c0", mode="text"))
+        capture.track(call, prompt_token_ids=[7, 8, 9], effective_output_limit=20)
+        assert generate(capture, call, TransformersEngine(model, seed=3, stop_token_ids=[stop])) == "stop"
+        coords = capture.complete_observed(call)
+        assert coords.staging_key is not None, coords
+        (record,) = store.fetch([coords.staging_key])
+        assert list(record.token_ids_delta) == [7, 8, 9, *unstopped[: first + 1]]
+        info = store.call("r", "c0")
+        assert info is not None and info.state == "completed"
+        capture.close()
+    with pytest.raises(ConfigurationError, match="temperature"):
+        TransformersEngine(model, temperature=0)
+    with pytest.raises(ConfigurationError, match="seed"):
+        TransformersEngine(model, seed=-1)
