@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -275,6 +276,20 @@ def test_exit_codes(demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: A
     code, _, err = run(capsys, "audit", str(tmp_path / "typo.db"))
     assert code == 3 and "typo.db" in err
     assert_one_line_error(err)
+
+
+def test_an_unreachable_postgresql_server_is_one_line_without_the_drivers_text(capsys: Any) -> None:
+    """The store's error quotes the driver's two-line "connection refused" joined into one
+    line; the CLI still drops that quote and says what happened in the store's words."""
+    pytest.importorskip("psycopg", reason="the [postgres] extra is not installed")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code, _, err = run(capsys, "audit", f"postgresql://postgres@127.0.0.1:{port}/test")
+    assert code == 3
+    assert_one_line_error(err)
+    assert "could not be reached" in err
+    assert "refused" not in err.lower() and "Is the server running" not in err, err
 
 
 def test_damage_is_problems_found(copy: Path, capsys: Any) -> None:
