@@ -171,3 +171,30 @@ def test_staged_keys_group_attempts_under_their_rollout(store: Store) -> None:
     assert [(k.staging_key, k.kind) for k in keys] == [("r0-a1/c1", "call_completed"), ("r0/c0", "call_completed")]
     assert [k.staging_key for k in store.staged_keys()] == ["r0-a1/c1", "r0/c0", "r1/c0"]
     assert store.staged_keys("nope") == []
+
+
+def test_a_reader_opened_on_a_closed_store_sees_a_writer_that_opens_it_afterwards(tmp_path: Path) -> None:
+    """Issue 33 item 7: a reader that found no -wal read the file ``immutable``; a writer that
+    opened the store afterwards and checkpointed made it report damage that was not there and
+    miss every later commit.  Now it reads through the WAL, and leaves no -wal or -shm behind."""
+    path = str(tmp_path / "store.db")
+    _populated(path)
+    assert folder_state(tmp_path).keys() == {"store.db"}
+    with open_store(path, read_only=True) as reader:
+        assert reader.audit().ok  # its pages are cached now
+        with open_store(path) as writer:
+            for index in range(300):
+                assert writer.stage(make_record(rollout_id=f"w{index}", model_call_id="c0")).ok
+            checkpoint = sqlite3.connect(path)  # the writer's commits move into the database file
+            assert checkpoint.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
+            checkpoint.close()
+            assert writer.stage(make_record(rollout_id="last", model_call_id="c0")).ok  # in the -wal only
+            report = reader.audit()
+            assert report.ok, report
+            assert reader.call("w299", "c0") is not None and reader.call("last", "c0") is not None
+            assert len(reader.staged_keys()) == 2 + 300 + 1
+    # The writer closed first (the reader still had the store open, so the writer left the -wal);
+    # the reader, last out, checkpointed and removed what SQLite needed for the read.
+    assert folder_state(tmp_path).keys() == {"store.db"}
+    with open_store(path, read_only=True) as again:
+        assert len(again.staged_keys()) == 303

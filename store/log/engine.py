@@ -6,11 +6,13 @@ speaks portable SQLAlchemy Core.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import os
 import re
 import sqlite3
+import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -302,12 +304,18 @@ def _enable_wal(cursor: sqlite3.Cursor) -> None:
 
 
 def _read_only_sqlite_engine(url: URL) -> Engine:
-    """An engine that can only read ``url``'s file, and creates or changes no file.
+    """An engine that can only read ``url``'s file, and leaves no file changed or created.
 
-    SQLite's ``mode=ro`` still creates the -wal and -shm files of a WAL database that has
-    none (and leaves them behind), so a store no process has open (no -wal file: everything
-    was checkpointed into the database file) is read as ``immutable``: no lock, no side
-    file.  A store in use (its -wal exists) is read through its WAL, with the usual locks.
+    It reads through the store's WAL with ``mode=ro``, so a writer that opens the store
+    while it reads is seen as any WAL reader sees one: each read transaction one consistent
+    snapshot, later commits in later reads.  (An ``immutable`` read of a store no process
+    had open broke that: a writer's checkpoint changed the file under it, which read as
+    damage, and its commits were never seen.)  SQLite creates the -wal and -shm files of a
+    store no process has open even for a ``mode=ro`` reader, and a reader cannot remove
+    them; so when the last of this engine's connections closes, ``_remove_side_files``
+    removes them as SQLite's last connection does, if no other connection has the store
+    open.  Only where this process cannot create or remove them (a folder or file it may
+    not write) is a store without a -wal read ``immutable``, as before.
     """
     path = str(url.database)
     if not os.path.isfile(path):
@@ -315,16 +323,73 @@ def _read_only_sqlite_engine(url: URL) -> Engine:
     if not os.access(path, os.R_OK):
         raise StorageError(f"permission denied: cannot read {path}")
     uri = f"file:{quote(path)}?mode=ro"
-    if not os.path.exists(f"{path}-wal"):
+    wal = f"{path}-wal"
+    leaves_side_files = not os.path.exists(wal) or os.path.getsize(wal) == 0
+    can_remove = os.access(path, os.W_OK) and os.access(os.path.dirname(path) or ".", os.W_OK | os.X_OK)
+    if leaves_side_files and not can_remove:
         uri += "&immutable=1"
+        leaves_side_files = False
+    connections = _OpenConnections(path if leaves_side_files else None)
 
     def connect() -> sqlite3.Connection:
-        connection = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        connection = sqlite3.connect(uri, uri=True, check_same_thread=False, factory=connections.factory)
         connection.isolation_level = None  # reads never BEGIN IMMEDIATE; nothing here writes
         connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         return connection
 
     return _create_engine(url, creator=connect)
+
+
+class _OpenConnections:
+    """Counts a read-only engine's open SQLite connections; when the last one closes, the
+    -wal and -shm files SQLite made for them are removed (``_remove_side_files``)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._path = path
+        self._open = 0
+        self._lock = threading.Lock()
+        owner = self
+
+        class Counted(sqlite3.Connection):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self._counted = True
+                with owner._lock:
+                    owner._open += 1
+
+            def close(self) -> None:
+                super().close()
+                if self.__dict__.pop("_counted", False):
+                    owner._closed()
+
+        self.factory = Counted
+
+    def _closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+            last = self._open == 0
+            if last and self._path is not None:
+                _remove_side_files(self._path)
+
+
+def _remove_side_files(path: str) -> None:
+    """Remove a store's -wal and -shm files if no connection (of any process) has it open.
+
+    A read-write connection that reads one page and closes does it: SQLite's last connection
+    to a WAL database takes the exclusive lock (only when no other connection holds the store
+    open, in this process or another), copies into the database file what the -wal holds (a
+    writer's commits made while this engine read: the store's own data, nothing of the
+    reader's), and deletes both files.  Any other connection keeps them, and removes them
+    itself when it is the last.  Best effort: a store busy at this moment keeps its files.
+    """
+    if not os.path.exists(f"{path}-wal"):
+        return  # another last connection already removed them
+    with contextlib.suppress(sqlite3.Error, OSError):
+        closer = sqlite3.connect(f"file:{quote(path)}?mode=rw", uri=True, isolation_level=None)
+        try:
+            closer.execute("PRAGMA schema_version").fetchone()  # opens the WAL; writes nothing
+        finally:
+            closer.close()
 
 
 class Statement:
