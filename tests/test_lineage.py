@@ -114,6 +114,28 @@ def test_rollouts_group_attempts_under_their_rollout(store: Store) -> None:
     assert solo is not None and solo.attempts == ("solo-a1",)
 
 
+def test_an_attempt_whose_attempt_0_staged_nothing_is_still_an_attempt_of_its_rollout(store: Store) -> None:
+    """Issue 33 item 12: attempt 0 of "lost" left nothing durable; a restore retired it (as Gym's
+    restore retires every earlier attempt) and the replacement staged as attempt 1.  It was listed as
+    a rollout "lost-a1" of its own, and linearize("lost") answered empty_manifest."""
+    expected = two_call_rollout(store, "whole", interrupted=False)
+    assert store.retire(["lost"]).absent == ["lost"]  # attempt 0: fenced, with nothing staged
+    for record in (make_record(rollout_id="lost-a1", model_call_id="c0"),):
+        assert store.stage(record).ok
+    two_call_rollout(store, "solo-a1", interrupted=False)  # no "solo" known at all: its own rollout
+    summaries = {s.rollout_id: s.attempts for s in store.rollouts()}
+    assert summaries["lost"] == ("lost-a1",) and "lost-a1" not in summaries, summaries
+    assert summaries["solo-a1"] == ("solo-a1",)
+    lineage = store.lineage("lost")
+    assert lineage is not None and lineage.rollout_id == "lost" and lineage.attempts == ("lost-a1",)
+    assert [(c.capture_key, c.attempt) for c in lineage.calls] == [("lost-a1", 1)]
+    assert store.lineage("lost-a1") == lineage
+    [row] = store.linearize("lost").rows
+    assert row.rollout_id == "lost" and store.linearize("lost-a1") == store.linearize("lost")
+    assert [key.staging_key for key in store.staged_keys("lost")] == ["lost-a1/c0"]
+    assert list(store.linearize("whole").rows[0].token_ids) == expected
+
+
 def test_lineage_shows_the_tree_and_the_cut_a_continued_call_resumed(store: Store) -> None:
     two_call_rollout(store, "r0", interrupted=True, versions=(7, 9))
     tree = store.lineage("r0")

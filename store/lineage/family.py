@@ -3,8 +3,12 @@
 A worker that restarts a rollout captures attempt ``a`` under the capture key
 ``{rollout}-a{a}`` (``capture_key``).  The lineage views group those keys back under the
 bare rollout id, because a trainer trains on the rollout, whichever attempt staged each
-call.  A key of that shape counts as an attempt only when its rollout is itself in the
-store; otherwise it is a rollout of its own (an id that merely ends in ``-a1``).
+call.  A key of that shape counts as an attempt only when its rollout is itself known to the
+store: it has a calls row, or a row of the ``rollouts`` table (a fence, ledger counts, a
+deletion).  A restore retires every earlier attempt of the rollout it installs, so a
+replacement whose attempt 0 left nothing durable (no call staged) still names its rollout
+through attempt 0's fence.  Otherwise the key is a rollout of its own (an id that merely
+ends in ``-a1``).
 """
 
 from __future__ import annotations
@@ -69,15 +73,29 @@ def capture_keys(reader: Reader) -> set[str]:
         return {row[0] for row in connection.execute(query)}
 
 
+def attempt_owners(reader: Reader, calls_keys: set[str] | None = None) -> set[str]:
+    """The keys a ``{key}-aN`` capture key may be an attempt of: those with a calls row
+    (``calls_keys``, read here if not given) and those with a ``rollouts`` row."""
+    query = sa.select(schema.rollouts.c.rollout_id)
+    with reader.connection("reading rollouts") as connection:
+        known = {row[0] for row in connection.execute(query)}
+    return known | (capture_keys(reader) if calls_keys is None else calls_keys)
+
+
+def _known(reader: Reader, key: str) -> bool:
+    """Whether ``key`` has a calls row or a ``rollouts`` row (``attempt_owners`` of one key)."""
+    calls, rollouts = schema.calls.c.rollout_id, schema.rollouts.c.rollout_id
+    query = sa.select(sa.or_(sa.exists().where(calls == key), sa.exists().where(rollouts == key)))
+    with reader.connection("reading a rollout") as connection:
+        return bool(connection.execute(query).scalar())
+
+
 def resolve_rollout(reader: Reader, rollout_id: str) -> str:
     """The bare rollout of ``rollout_id``: a later attempt's capture key names its rollout."""
     match = _ATTEMPT_KEY.match(rollout_id)
     if match is None:
         return rollout_id
-    query = sa.select(schema.calls.c.rollout_id).where(schema.calls.c.rollout_id == match.group(1)).limit(1)
-    with reader.connection("reading a rollout") as connection:
-        present = connection.execute(query).first() is not None
-    return match.group(1) if present else rollout_id
+    return match.group(1) if _known(reader, match.group(1)) else rollout_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +115,8 @@ def family_calls(reader: Reader, rollout_id: str) -> list[FamilyCall]:
     with reader.connection("reading a rollout's calls") as connection:
         states = [CallState.from_row(row) for row in plain_rows(connection, _FAMILY_CALLS, family_params(rollout_id))]
     present = {state.rollout_id for state in states}
+    if rollout_id not in present and states and _known(reader, rollout_id):
+        present.add(rollout_id)  # fenced or counted, with no calls row: its attempts are still its own
     found = []
     for state in states:
         where = split_capture_key(state.rollout_id, present)  # as rollouts() groups them
@@ -108,7 +128,7 @@ def family_calls(reader: Reader, rollout_id: str) -> list[FamilyCall]:
 
 def all_calls(reader: Reader) -> Iterator[tuple[str, FamilyCall]]:
     """Every calls row with its bare rollout, streamed (one row at a time from the driver)."""
-    present = capture_keys(reader)
+    present = attempt_owners(reader)
     calls = schema.calls
     query = sa.select(*calls.c).order_by(calls.c.last_seq)
     with reader.connection("reading calls") as connection:

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from store.errors import CorruptRecordError, InvalidRecordError
 from store.lineage.family import (
     FamilyCall,
+    attempt_owners,
     bound_family_clause,
     capture_keys,
     family_calls,
@@ -240,7 +241,7 @@ def lineage(reader: Reader, rollout_id: str) -> RolloutLineage | None:
 
 def rollouts(reader: Reader) -> list[RolloutSummary]:
     """Every rollout (attempts grouped under it), sorted by id, with its calls by newest state."""
-    present = capture_keys(reader)
+    present = attempt_owners(reader)
     calls = schema.calls
     query = sa.select(calls.c.rollout_id, calls.c.model_call_id, calls.c.state)
     newest: dict[str, dict[str, tuple[int, str]]] = {}
@@ -273,11 +274,12 @@ def staged_keys(reader: Reader, rollout_id: str | None = None) -> list[StagedKey
     if rollout_id is None:
         return keys
     bare = resolve_rollout(reader, rollout_id)
-    present = capture_keys(reader)
+    present = attempt_owners(reader)
     return [key for key in keys if split_capture_key(key.rollout_id, present).rollout_id == bare]
 
 
 def rollout_ids(reader: Reader) -> list[str]:
     """Every rollout id (attempts grouped under it), sorted: the projection's distinct keys only."""
     present = capture_keys(reader)
-    return sorted({split_capture_key(key, present).rollout_id for key in present})
+    owners = attempt_owners(reader, present)
+    return sorted({split_capture_key(key, owners).rollout_id for key in present})

@@ -19,7 +19,7 @@ from store.errors import InvalidRecordError
 from store.lineage.family import (
     FamilyCall,
     all_calls,
-    capture_keys,
+    attempt_owners,
     continued_calls,
     family_calls,
     resolve_rollout,
@@ -141,7 +141,7 @@ def stale(reader: Reader, current_version: int, max_lag: int) -> StaleReport:
         states = [CallState.from_row(row) for row in connection.execute(query)]
     if not states:
         return report
-    present = capture_keys(reader)
+    present = attempt_owners(reader)
     for state in states:
         if (state.rollout_id, state.model_call_id) in continued:
             continue
