@@ -958,3 +958,20 @@ def test_the_entry_point_stays_a_function_whatever_was_imported_first() -> None:
     from store.cli import main as entry
 
     assert callable(entry) and entry.__module__ == "store.cli"
+
+
+def test_receipts_of_a_rollout_whose_id_looks_like_an_attempt_key(tmp_path: Path, capsys: Any) -> None:
+    """Issue 33 item 13: ``--rollout job-a7`` of a rollout named "job-a7" (no "job" in the store)
+    was cut to "job" and refused as "no rollout 'job'" (exit 1)."""
+    from factories import make_record
+
+    from store import open_store
+
+    path = str(tmp_path / "store.db")
+    with open_store(path) as opened:
+        assert opened.stage(make_record(rollout_id="job-a7", model_call_id="c0")).ok
+    code, out, err = run(capsys, "receipts", path, "--rollout", "job-a7")
+    assert (code, err) == (0, ""), err
+    assert out.startswith("0 receipt(s), 0 acknowledgement(s)")
+    code, _, err = run(capsys, "receipts", path, "--rollout", "job-a8")  # neither a rollout nor an attempt of one
+    assert code == 1 and "no rollout 'job-a8'" in err, err

@@ -47,7 +47,9 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
         domains = [domain for _, domain in kept]
         where = shown(opened)
         if rollout_id is not None and not found:
-            known_rollout(opened, rollout_id.rsplit("-a", 1)[0] if _is_capture_key(rollout_id) else rollout_id)
+            # As given: ``lineage`` resolves an attempt's capture key to its rollout itself, and
+            # leaves a rollout id that merely ends like one ("job-a7", no "job") as it is.
+            known_rollout(opened, rollout_id)
     if checkpoint_id is not None and not found and rollout_id is None:
         raise exits.CommandError(f"no receipt of checkpoint {checkpoint_id!r} in the store", exits.PROBLEMS)
     if as_json:
@@ -70,12 +72,6 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
     )
     output.show(f"store: {where}")
     return exits.OK
-
-
-def _is_capture_key(text: str) -> bool:
-    """``ROLLOUT-aN`` (attempt N >= 1) names an attempt of ROLLOUT."""
-    stem, _, attempt = text.rpartition("-a")
-    return bool(stem) and attempt.isdigit()
 
 
 def _capture_key(ack: GenerationCutPrefixAck) -> str:
