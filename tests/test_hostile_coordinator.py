@@ -419,3 +419,25 @@ def test_register_close_churn_is_rate_limited_in_the_log(
     assert len(summary) == 1 and summary[0].levelno == logging.WARNING
     left_out = summary[0].churn_left_out  # type: ignore[attr-defined]
     assert left_out["joined"] + left_out["lost"] == 400 - 20
+
+
+# --- the pid a worker is logged by is the kernel's (issue 33 item 9) ------------------------------
+
+
+def test_a_worker_is_logged_by_the_kernels_pid_not_the_one_it_claims(
+    socket_path: str, coord: Coordinator, held: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="store.coordinator")
+    sock = raw(socket_path)
+    send(sock, {"id": 0, "kind": "register", "body": {"pid": 1}})  # claims to be init
+    assert reply(sock)["ok"] is True
+    assert list(coord.status()["workers"]) == [os.getpid()]  # this process connected: SO_PEERCRED says so
+    lines = [r.getMessage() for r in caplog.records if r.name == "store.coordinator"]
+    assert f"Policy worker [{os.getpid()}] joined as worker 0 (1/2 connected)" in lines, lines
+    assert not [line for line in lines if "[1]" in line], lines
+    [claim] = [r for r in caplog.records if "claiming pid 1" in r.getMessage()]
+    assert claim.levelno == logging.WARNING and claim.claimed_pid == 1  # type: ignore[attr-defined]
+    sock.close()
+    assert wait_for(lambda: coord.status()["connected"] == 0)
+    lost = [r.getMessage() for r in caplog.records if "lost without notice" in r.getMessage()]
+    assert lost == [f"Policy worker [{os.getpid()}] lost without notice (0/2 workers remain); no open checkpoint is affected"]

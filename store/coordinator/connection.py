@@ -69,6 +69,7 @@ class Peer:
     ) -> None:
         self.sock = sock
         self.name = name
+        self.kernel_pid: int | None = None  # the peer process's pid as the kernel reports it (SO_PEERCRED)
         self._handler = handler
         self._on_close = on_close
         self.message_timeout = message_timeout

@@ -10,6 +10,11 @@ worker's frames are at most ``max_frame_bytes``; the accept loop outlives a fail
 thread start.  The socket is born 0600 (``fchmod`` before ``bind``: no process-wide umask, no
 ``chmod`` of a path that could be a symlink), and a stale socket a killed coordinator left at
 the path is replaced, never a live one or a file that is not a socket.
+
+A worker is logged (and recorded in the store) by the pid the kernel reports for its socket
+(``SO_PEERCRED``: the process that connected, in this process's pid namespace), never by the
+pid its ``register`` frame claims: a peer cannot log itself as another process.  A claim that
+differs (a worker in another pid namespace, or a lie) is accepted and named in a WARNING.
 """
 
 from __future__ import annotations
@@ -197,7 +202,8 @@ class Coordinator:
 
     def _admit_connection(self, sock: socket.socket) -> None:
         """Start serving an accepted connection, or refuse it (another user, past the cap, no thread)."""
-        if not _same_user(sock):
+        credentials = _peer_credentials(sock)
+        if credentials is False:
             sock.close()  # 0600 already keeps others out; this also covers a loosened mode
             return
         peer = Peer(
@@ -209,6 +215,7 @@ class Coordinator:
             threaded_kinds=_THREADED,
             name="policy worker",
         )
+        peer.kernel_pid = credentials  # None where the platform has no SO_PEERCRED
         with self._lock:
             if self._closing:
                 sock.close()
@@ -275,9 +282,12 @@ class Coordinator:
         return handler(self, index, body)
 
     def _register(self, peer: Peer, body: Any) -> Any:
-        pid = body.get("pid") if isinstance(body, dict) else None
-        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= MAX_PID:
+        claimed = body.get("pid") if isinstance(body, dict) else None
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or not 0 < claimed <= MAX_PID:
             raise FrameError(f"register needs {{'pid': <integer in 1..{MAX_PID}>}}, got {_short(body)}")
+        pid = claimed if peer.kernel_pid is None else peer.kernel_pid
+        if pid != claimed and self._churn.allow("claimed"):
+            worker_log.log_claim(pid, claimed)
         with self._lock:
             if self._peers.get(peer) is not None:
                 raise CheckpointStateError("this connection is already registered")
@@ -507,16 +517,19 @@ def _call_of(body: Any) -> tuple[str, str]:
     return _text("capture_key", body.get("capture_key")), _text("model_call_id", body.get("model_call_id"))
 
 
-def _same_user(sock: socket.socket) -> bool:
-    """Whether the connecting process runs as this user (Linux ``SO_PEERCRED``; elsewhere, trust 0600)."""
+def _peer_credentials(sock: socket.socket) -> int | None | bool:
+    """The connecting process's pid if it runs as this user (Linux ``SO_PEERCRED``), False if it
+    does not (or cannot be told), None where the platform cannot say (0600 is trusted there)."""
     option = getattr(socket, "SO_PEERCRED", None)
     if option is None:
-        return True
+        return None
     try:
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i")))
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i")))
     except OSError:
         return False
-    return bool(uid == os.getuid())
+    if uid != os.getuid():
+        return False
+    return pid if pid > 0 else None  # 0: the peer is in a pid namespace this one cannot see
 
 
 def _refuse_and_close(sock: socket.socket, error: CoordinatorError) -> None:

@@ -85,6 +85,16 @@ def log_join(worker: Worker, connected: int, expected: int) -> None:
     )
 
 
+def log_claim(pid: int, claimed: int) -> None:
+    """A worker whose ``register`` named another pid than the kernel's: logged by the kernel's."""
+    LOG.warning(
+        "Policy worker [%d] registered claiming pid %d; it is logged by the pid the kernel reports for its socket",
+        pid,
+        claimed,
+        extra={"worker_pid": pid, "claimed_pid": claimed},
+    )
+
+
 def log_leave(worker: Worker, *, said_goodbye: bool, remaining: int, expected: int, blocked: str | None) -> None:
     """A clean stop is an INFO line; a connection dropped without a goodbye is a WARNING."""
     fields = {
