@@ -95,3 +95,32 @@ def _worker_events(store: Store) -> list[object]:
     with store._engine.connect() as connection:
         rows = connection.execute(sa.select(*schema.events.c).order_by(schema.events.c.seq)).all()
     return [e for e in (verified_event(row._mapping) for row in rows) if e.kind.value.startswith("worker_")]
+
+
+def test_a_register_close_loop_adds_a_bounded_number_of_worker_events(
+    store: Store, store_url: str, tmp_path: os.PathLike[str]
+) -> None:
+    """Issue 33 item 10: every register and every close appended an event, so a connect loop grew
+    the store without bound.  Now a process has one join recorded per window (its leave with it),
+    and a join left out has no leave recorded either; another process is still recorded."""
+    import socket
+
+    from store.coordinator import framing
+
+    socket_path = os.path.join(tmp_path, "policy.sock")
+    with Coordinator(socket_path, expected_workers=2, store=store, register_timeout=2) as coord:
+        for _ in range(200):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(socket_path)
+            sock.sendall(framing.encode({"id": 0, "kind": "register", "body": {"pid": os.getpid()}}))
+            assert framing.read_frame(sock, body_timeout=5, idle_timeout=5)["ok"] is True
+            sock.close()
+        assert wait_for(lambda: coord.status()["connected"] == 0)
+        kinds = [event.kind for event in _worker_events(store)]  # type: ignore[attr-defined]
+        assert kinds == [EventKind.WORKER_JOINED, EventKind.WORKER_LOST], f"{len(kinds)} events for 200 connects"
+        with workers(socket_path, 1, store_url) as (other,):  # another process: its own join is recorded
+            assert wait_for(lambda: other.pid in {w.pid for w in store.workers()})
+            other.stop()
+        assert wait_for(lambda: len(_worker_events(store)) == 4)
+    assert {w.pid: w.state for w in store.workers()} == {os.getpid(): "lost", other.pid: "stopped"}
+    assert store.replay().ok

@@ -97,6 +97,7 @@ class Coordinator:
         self.max_connections = max_connections
         self._admission = Admission(register_timeout, admitted_frame_limit=max_frame_bytes)
         self._churn = worker_log.ChurnLimit()
+        self._events = worker_log.EventLimit(max_connections)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a report arrived or a worker left
         self._state = CheckpointState(expected_workers)
@@ -264,6 +265,8 @@ class Coordinator:
             worker_log.log_leave(
                 worker, said_goodbye=said_goodbye, remaining=remaining, expected=self.expected, blocked=blocked
             )
+        if not worker.recorded:
+            return  # its join was not recorded either (worker_log.EventLimit)
         kind = "worker_stopped" if said_goodbye else "worker_lost"
         worker_log.record(self._store, kind, worker, connected=remaining, expected=self.expected, checkpoint=blocked)
 
@@ -300,9 +303,11 @@ class Coordinator:
         peer.admit()
         if self._churn.allow("joined"):
             worker_log.log_join(worker, connected, self.expected)
-        worker.joined_seq = worker_log.record(
-            self._store, "worker_joined", worker, connected=connected, expected=self.expected, checkpoint=None
-        )
+        worker.recorded = self._store is not None and self._events.allow(worker.pid)
+        if worker.recorded:
+            worker.joined_seq = worker_log.record(
+                self._store, "worker_joined", worker, connected=connected, expected=self.expected, checkpoint=None
+            )
         return {"index": worker.index, **adoption}
 
     def _report(self, index: int, body: Any) -> Any:

@@ -35,6 +35,7 @@ class Worker:
     served: int = 0  # calls it has begun, as last reported
     claims: set[str] = field(default_factory=set)  # restored cuts it holds (targets)
     joined_seq: int | None = None  # the worker_joined event in the store's log, if any
+    recorded: bool = False  # its join was recorded in the store (``worker_log.EventLimit``): so is its leave
 
 
 @dataclass

@@ -8,6 +8,12 @@ Join and leave lines are rate-limited (``ChurnLimit``): a process that connects 
 disconnects in a loop would otherwise write thousands of lines a second.  Past the limit the
 lines are counted, and one WARNING says how many were left out.  A worker lost while a
 checkpoint is open is always logged: that line is the one an operator needs.
+
+The store's worker events are bounded too (``EventLimit``), since each is a row that stays:
+a process (by the kernel's pid) has at most one join recorded per ``EVENT_WINDOW`` seconds,
+and at most ``joins`` joins are recorded per window in all; a join left unrecorded has its
+stop or loss left unrecorded as well (the log lines above still say it).  A connect loop then
+adds at most two events per window for its process, and at most ``2 * joins`` in all.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("store.coordinator")
 CHURN_LINES = 20  # join/leave lines per window
 CHURN_WINDOW = 10.0  # seconds
+EVENT_WINDOW = 10.0  # seconds: a process's joins recorded in the store at most once per window
 
 
 class ChurnLimit:
@@ -71,6 +78,33 @@ class ChurnLimit:
         self._started = self._clock()
         self._logged = 0
         self._left_out.clear()
+
+
+class EventLimit:
+    """Which joins the store records (see the module's docstring): per process at most one per
+    ``window``, in all at most ``joins`` per ``window``."""
+
+    def __init__(self, joins: int, window: float = EVENT_WINDOW, clock: Callable[[], float] = time.monotonic) -> None:
+        self.joins = joins
+        self.window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._recorded = 0
+        self._last: dict[int, float] = {}  # pid -> when its last join was recorded (this window or the last)
+
+    def allow(self, pid: int) -> bool:
+        now = self._clock()
+        with self._lock:
+            if now - self._started >= self.window:
+                self._started, self._recorded = now, 0
+                self._last = {p: at for p, at in self._last.items() if now - at < self.window}
+            last = self._last.get(pid)
+            if (last is not None and now - last < self.window) or self._recorded >= self.joins:
+                return False
+            self._recorded += 1
+            self._last[pid] = now
+            return True
 
 
 def log_join(worker: Worker, connected: int, expected: int) -> None:
