@@ -441,3 +441,59 @@ def test_a_worker_is_logged_by_the_kernels_pid_not_the_one_it_claims(
     assert wait_for(lambda: coord.status()["connected"] == 0)
     lost = [r.getMessage() for r in caplog.records if "lost without notice" in r.getMessage()]
     assert lost == [f"Policy worker [{os.getpid()}] lost without notice (0/2 workers remain); no open checkpoint is affected"]
+
+
+# --- the bytes a peer's waiting requests hold are bounded (issue 33 item 8) -----------------------
+
+
+def _flood_big_requests(sock: socket.socket, count: int, size: int, first_id: int) -> None:
+    pad = "x" * size
+    for n in range(count):
+        sock.sendall(framing.encode({"id": first_id + n, "kind": "control", "body": {"action": "status", "pad": pad}}))
+
+
+def test_the_bytes_held_by_waiting_requests_are_bounded_per_connection_and_in_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """256 queued requests of up to 16 MiB each behind 16 busy threads held ~4 GiB; now one
+    connection's running and waiting requests hold at most 32 MiB of frames and all connections
+    at most the coordinator's budget (set to 40 MiB here); past it a request is refused at once."""
+    from store.coordinator import server as server_module
+
+    monkeypatch.setattr(server_module, "HELD_BYTES_TOTAL", 40 * 1024 * 1024)
+    socket_path = str(tmp_path / "budget.sock")
+    release = threading.Event()
+    real = Coordinator.status
+
+    def slow_status(self: Coordinator) -> dict[str, Any]:
+        release.wait(20)
+        return real(self)
+
+    monkeypatch.setattr(Coordinator, "status", slow_status)
+    megabyte = 1024 * 1024
+    with Coordinator(socket_path, expected_workers=2, message_timeout=10, register_timeout=2) as coord:
+        before = resources()
+        budget = coord._admission.budget
+        assert budget is not None and budget.limit == 40 * megabyte and coord._admission.held_bytes == 32 * megabyte
+        first, second = registered(socket_path), registered(socket_path)
+        small = [framing.encode({"id": n, "kind": "control", "body": {"action": "status"}}) for n in range(16)]
+        first.sendall(b"".join(small))  # the 16 threads, busy
+        _flood_big_requests(first, 48, megabyte, 100)  # 48 MiB for one connection
+        busy_first = [reply(first, 20) for _ in range(48 - 31)]  # 31 fit its 32 MiB beside the 16 small ones
+        assert all(r["error"]["code"] == "checkpoint_busy" and r["error"]["status"] == 503 for r in busy_first)
+        assert "33554432-byte bound" in busy_first[0]["error"]["detail"]
+        _flood_big_requests(second, 20, megabyte, 1000)  # the budget has ~9 MiB left for it
+        busy_second = [reply(second, 20) for _ in range(20 - 8)]
+        assert all(r["error"]["code"] == "checkpoint_busy" for r in busy_second)
+        assert "41943040-byte bound" in busy_second[0]["error"]["detail"]
+        held_now = budget.held
+        assert 39 * megabyte <= held_now <= 40 * megabyte, held_now
+        peak = resources()
+        release.set()
+        answered = [reply(first, 20) for _ in range(16 + 31)] + [reply(second, 20) for _ in range(8)]
+        assert all(r["ok"] for r in answered), [r for r in answered if not r["ok"]][:1]
+        assert wait_for(lambda: budget.held == 0)
+        # The frames refused were never kept: what the process holds grew by about the budget, not the 68 MiB sent.
+        assert peak.rss_kib - before.rss_kib < 120 * 1024, f"before {before}, at the peak {peak}"
+        first.close()
+        second.close()

@@ -10,7 +10,12 @@ admits a connection when it registers): it must be admitted within the deadline 
 dropped, its frames are held to the small ``admission`` frame limit, and its threaded kinds are
 answered on the reader (the handler refuses them at once), so a stranger never gets a thread.
 Once admitted, at most ``MAX_IN_FLIGHT`` threaded requests run at a time; up to ``MAX_QUEUED``
-more wait their turn, and past that a request is refused with 503 ``checkpoint_busy``.
+more wait their turn, and past that a request is refused with 503 ``checkpoint_busy``.  The
+bytes are bounded as well as the count: the frames of one connection's running and waiting
+requests hold at most ``Admission.held_bytes`` (32 MiB, or two of its largest frames), and
+those of every connection sharing a ``ByteBudget`` (the coordinator's) at most its limit
+(128 MiB); a request past either is refused with 503 ``checkpoint_busy`` and its frame dropped.
+A waiting request is kept as its frame's bytes and decoded when its turn comes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,28 @@ Handler = Callable[["Peer", str, Any], Any]
 _LOG = logging.getLogger("store.coordinator")
 MAX_IN_FLIGHT = 16  # threaded requests one peer runs at once (a worker's claims and control calls)
 MAX_QUEUED = 256  # and how many more may wait for a thread
+HELD_BYTES = 32 * 1024 * 1024  # frame bytes of one connection's running and waiting requests
+HELD_BYTES_TOTAL = 128 * 1024 * 1024  # and of every connection of one coordinator
+
+
+class ByteBudget:
+    """Frame bytes held by requests of several connections, up to ``limit``."""
+
+    def __init__(self, limit: int = HELD_BYTES_TOTAL) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
 
 
 @dataclass(frozen=True)
@@ -43,6 +70,12 @@ class Admission:
     timeout: float
     frame_limit: int = framing.REGISTER_FRAME_LIMIT
     admitted_frame_limit: int = framing.WORKER_FRAME_LIMIT
+    budget: ByteBudget | None = None  # shared by every connection of one coordinator
+
+    @property
+    def held_bytes(self) -> int:
+        """What one connection's requests may hold: ``HELD_BYTES``, and two of its largest frames at least."""
+        return max(HELD_BYTES, 2 * self.admitted_frame_limit)
 
 
 class _Waiter:
@@ -81,7 +114,8 @@ class Peer:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Waiter] = {}
         self._in_flight = 0
-        self._queued: deque[tuple[Any, str, Any]] = deque()
+        self._queued: deque[tuple[Any, bytes]] = deque()  # (id, the frame's payload): decoded in turn
+        self._held = 0  # frame bytes of the running and waiting threaded requests
         self.closed = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True)
 
@@ -155,7 +189,8 @@ class Peer:
                         return
                     body_timeout = min(body_timeout, idle)
                 try:
-                    message = reader.read(body_timeout=body_timeout, idle_timeout=idle)
+                    payload = reader.read_payload(body_timeout=body_timeout, idle_timeout=idle)
+                    message = framing.decode(payload)
                 except framing.PeerClosed:
                     return
                 except FrameError as exc:
@@ -165,7 +200,8 @@ class Peer:
                     continue
                 except OSError:
                     return
-                self._dispatch(message)
+                self._dispatch(message, payload)
+                del message, payload  # a waiting request keeps its payload, nothing else
                 if self.admitted and admission is not None:
                     reader.max_frame = admission.admitted_frame_limit
         finally:
@@ -181,7 +217,7 @@ class Peer:
             self.sock.close()
         self._on_close(self)
 
-    def _dispatch(self, message: Any) -> None:
+    def _dispatch(self, message: Any, payload: bytes = b"") -> None:
         if isinstance(message, dict) and "reply_to" in message and "kind" not in message:
             with self._lock:
                 waiter = self._pending.get(message["reply_to"]) if isinstance(message["reply_to"], int) else None
@@ -197,41 +233,77 @@ class Peer:
             return
         ident, kind, body = message["id"], message["kind"], message.get("body")
         if kind in self._threaded and self.admitted:
-            self._on_a_thread(ident, kind, body)
+            self._on_a_thread(ident, kind, body, payload)
         else:
             self._answer(ident, kind, body)
 
-    def _on_a_thread(self, ident: Any, kind: str, body: Any) -> None:
-        """Run the request on a thread of its own, or queue it behind the ``MAX_IN_FLIGHT`` running."""
+    def _on_a_thread(self, ident: Any, kind: str, body: Any, payload: bytes) -> None:
+        """Run the request on a thread of its own, or queue it behind the ``MAX_IN_FLIGHT`` running;
+        refused when the queue is full or its bytes would pass this connection's or the budget's bound."""
+        size = len(payload)
+        refusal = None
         with self._lock:
             full = self._in_flight >= MAX_IN_FLIGHT
-            if full and len(self._queued) < MAX_QUEUED:
-                self._queued.append((ident, kind, body))
+            if full and len(self._queued) >= MAX_QUEUED:
+                refusal = f"{MAX_IN_FLIGHT} requests are running and {MAX_QUEUED} waiting; retry"
+            elif (refusal := self._take(size)) is not None:
+                pass
+            elif full:
+                self._held += size
+                self._queued.append((ident, payload))
                 return
-            if not full:
+            else:
+                self._held += size
                 self._in_flight += 1
-        if full:
-            busy = f"{MAX_IN_FLIGHT} requests are running and {MAX_QUEUED} waiting; retry"
-            self._refuse(ident, CoordinatorError(busy, status=503, code="checkpoint_busy"))
+        if refusal is not None:
+            self._refuse(ident, CoordinatorError(refusal, status=503, code="checkpoint_busy"))
             return
         try:
             threading.Thread(
-                target=self._serve, args=(ident, kind, body), name=f"{self.name}-{kind}", daemon=True
+                target=self._serve, args=(ident, kind, body, size), name=f"{self.name}-{kind}", daemon=True
             ).start()
         except RuntimeError as exc:  # the process cannot start a thread now: refuse this one, go on
             with self._lock:
                 self._in_flight -= 1
+                self._release(size)
             self._refuse(ident, CoordinatorError(f"cannot start a thread: {exc}", status=503, code="checkpoint_busy"))
 
-    def _serve(self, ident: Any, kind: str, body: Any) -> None:
+    def _take(self, size: int) -> str | None:
+        """Take ``size`` bytes of this connection's bound and of the shared budget, or say why
+        they do not fit (called holding the lock)."""
+        admission = self._admission
+        if admission is None:
+            return None
+        if self._held + size > admission.held_bytes:
+            return (
+                f"this connection's waiting and running requests hold {self._held} bytes; a {size}-byte "
+                f"request would pass its {admission.held_bytes}-byte bound; retry"
+            )
+        if admission.budget is not None and not admission.budget.take(size):
+            return f"the coordinator's requests hold their {admission.budget.limit}-byte bound; retry"
+        return None
+
+    def _release(self, size: int) -> None:
+        """Give back what ``_take`` took (called holding the lock)."""
+        self._held -= size
+        admission = self._admission
+        if admission is not None and admission.budget is not None:
+            admission.budget.give(size)
+
+    def _serve(self, ident: Any, kind: str, body: Any, size: int) -> None:
         """Answer a request, then the queued ones, until none is left."""
         while True:
             self._answer(ident, kind, body)
             with self._lock:
+                self._release(size)
                 if not self._queued:
                     self._in_flight -= 1
                     return
-                ident, kind, body = self._queued.popleft()
+                ident, payload = self._queued.popleft()
+            size = len(payload)
+            message = framing.decode(payload)  # it decoded once already, when it arrived
+            del payload
+            kind, body = message["kind"], message.get("body")
 
     def _answer(self, ident: Any, kind: str, body: Any) -> None:
         try:

@@ -8,8 +8,9 @@ A reader may take less than the contract's 64 MiB: the coordinator reads at most
 ~30 bytes) and ``WORKER_FRAME_LIMIT`` from a worker.  The largest legitimate frame a worker
 sends is a report or snapshot: one ~150-byte row per call it delivered since the last
 checkpoint (thousands per checkpoint), or a restore's records (a few hundred bytes each);
-16 MiB holds ~100,000 rows, far beyond one checkpoint of one worker, and bounds what one
-connection can make the coordinator buffer.
+16 MiB holds ~100,000 rows, far beyond one checkpoint of one worker, and bounds one frame;
+what a connection's running and waiting requests hold in all is bounded in bytes by
+``store.coordinator.connection`` (32 MiB per connection, 128 MiB per coordinator).
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class FrameReader:
 
     def read(self, *, body_timeout: float, idle_timeout: float | None = None) -> Any:
         """As ``read_frame``: the next frame's document, ``PeerClosed`` or ``FrameError``."""
+        return decode(self.read_payload(body_timeout=body_timeout, idle_timeout=idle_timeout))
+
+    def read_payload(self, *, body_timeout: float, idle_timeout: float | None = None) -> bytes:
+        """The next frame's payload, not yet decoded (``decode`` it)."""
         if not self._buffer:
             try:
                 first = self._sock.recv(self._CHUNK) if idle_timeout is None else self._recv(idle_timeout)
@@ -117,7 +122,7 @@ class FrameReader:
         self._fill(end, deadline, "body")
         payload = bytes(self._buffer[_HEADER.size : end])
         del self._buffer[:end]
-        return decode(payload)
+        return payload
 
     def _recv(self, timeout: float) -> bytes:
         return _recv_some(self._sock, self._CHUNK, timeout)

@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from store.coordinator import framing, worker_log
-from store.coordinator.connection import Admission, Peer
+from store.coordinator.connection import HELD_BYTES_TOTAL, Admission, ByteBudget, Peer
 from store.coordinator.errors import CheckpointStateError, CoordinatorError, FrameError
 from store.coordinator.state import MAX_ATTEMPT, CheckpointState, Worker, check_report
 
@@ -95,7 +95,11 @@ class Coordinator:
         self.message_timeout = message_timeout
         self._register_timeout = register_timeout
         self.max_connections = max_connections
-        self._admission = Admission(register_timeout, admitted_frame_limit=max_frame_bytes)
+        self._admission = Admission(
+            register_timeout,
+            admitted_frame_limit=max_frame_bytes,
+            budget=ByteBudget(max(HELD_BYTES_TOTAL, 2 * max_frame_bytes)),
+        )
         self._churn = worker_log.ChurnLimit()
         self._events = worker_log.EventLimit(max_connections)
         self._lock = threading.Lock()
@@ -522,7 +526,7 @@ def _call_of(body: Any) -> tuple[str, str]:
     return _text("capture_key", body.get("capture_key")), _text("model_call_id", body.get("model_call_id"))
 
 
-def _peer_credentials(sock: socket.socket) -> int | None | bool:
+def _peer_credentials(sock: socket.socket) -> int | bool | None:
     """The connecting process's pid if it runs as this user (Linux ``SO_PEERCRED``), False if it
     does not (or cannot be told), None where the platform cannot say (0600 is trusted there)."""
     option = getattr(socket, "SO_PEERCRED", None)
