@@ -180,11 +180,22 @@ def test_a_trickled_body_is_answered_408_and_cut_off(served: Served, baseline: R
     assert gone and took <= BODY_TIMEOUT + 3 * SLACK, f"still open after {took:.1f} s"
 
 
-def test_past_the_connection_cap_newcomers_get_503_and_the_server_recovers(served: Served, baseline: Resources) -> None:
-    held = [served.connect() for _ in range(MAX_CONNECTIONS)]
+def _mid_request(served: Served) -> socket.socket:
+    """A connection whose request is in progress: its headers sent, its body not yet."""
+    sock = served.connect()
+    head = f"POST {CUT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    sock.sendall(f"{head}Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{".encode())
+    return sock
+
+
+def test_past_the_connection_cap_with_every_request_in_progress_newcomers_get_503(
+    served: Served, baseline: Resources
+) -> None:
+    """Only when no connection can be shed (each has a request in progress) is a newcomer refused."""
+    held = [_mid_request(served) for _ in range(MAX_CONNECTIONS)]
     try:
-        time.sleep(0.2)  # each accepted by the server
-        flood = [served.connect() for _ in range(3 * MAX_CONNECTIONS)]
+        time.sleep(0.2)  # each accepted by the server, its headers read
+        flood = [served.connect() for _ in range(MAX_CONNECTIONS)]
         answers = []
         for sock in flood:
             _gone, answer = closed_by_peer(sock, 5)
@@ -192,8 +203,6 @@ def test_past_the_connection_cap_newcomers_get_503_and_the_server_recovers(serve
             sock.close()
         refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in a]
         assert len(refused) == len(flood), answers[:3]
-        during = served.get()
-        assert during.status_code == 503 and during.json()["code"] == "too_many_connections"
         peak = resources(served.pid)
         assert peak.fds <= baseline.fds + MAX_CONNECTIONS + 4, f"the cap did not hold: {peak} vs {baseline}"
     finally:
@@ -202,12 +211,58 @@ def test_past_the_connection_cap_newcomers_get_503_and_the_server_recovers(serve
     assert wait_for_ok(served, HEADER_TIMEOUT + SLACK)
 
 
+def test_an_idle_flood_past_the_cap_does_not_keep_an_authorised_request_out(
+    served: Served, baseline: Resources
+) -> None:
+    """Issue 33 item 10b: with 1,100 idle connections open, an authorised request got 503
+    too_many_connections at once.  Now a newcomer at the cap sheds the connection that has gone
+    longest without an authorised request, and the cap still bounds what the server holds."""
+    flood = []
+    try:
+        for _ in range(1100):
+            flood.append(served.connect())
+        time.sleep(0.2)
+        peak = resources(served.pid)
+        answer = served.get()  # a fresh connection: it sheds the oldest idle one and is served
+        assert answer.status_code == 200, answer.text
+        assert peak.fds <= baseline.fds + MAX_CONNECTIONS + 4, f"the cap did not hold: {peak} vs {baseline}"
+        shed = _closed_by_server(flood[: 1100 - MAX_CONNECTIONS], 5)
+        assert shed == 1100 - MAX_CONNECTIONS  # all but the newest were closed by the server at once
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def _closed_by_server(socks: list[socket.socket], timeout: float) -> int:
+    """How many of ``socks`` (more than select() takes) the server closed within ``timeout``."""
+    import selectors
+
+    pending = set(socks)
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for key, _ in selector.select(0.2):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    chunk = sock.recv(65536)
+                except (ConnectionResetError, BrokenPipeError):
+                    chunk = b""
+                if not chunk:
+                    pending.discard(sock)
+                    selector.unregister(sock)
+    return len(socks) - len(pending)
+
+
 def test_an_idle_flood_clears_itself_without_the_flooder_closing(served: Served, baseline: Resources) -> None:
     held = [served.connect() for _ in range(MAX_CONNECTIONS)]  # never closed by this side until the end
     try:
         time.sleep(0.2)
-        assert served.get().status_code == 503
-        assert wait_for_ok(served, HEADER_TIMEOUT + 2 * SLACK), "the idle connections still hold the cap"
+        closed, _ = wait_all_closed(held, HEADER_TIMEOUT + 2 * SLACK)
+        assert closed == len(held), "the idle connections still hold the cap"
+        assert served.get().status_code == 200
     finally:
         for sock in held:
             sock.close()

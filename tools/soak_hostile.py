@@ -149,18 +149,20 @@ def _merge(phases: dict[str, Counter[str]], name: str, counts: Counter[str]) -> 
 
 
 def _flood(address: tuple[str, int], cap: int, header: float) -> Counter[str]:
-    """Hold the cap with silent connections, then 3x the cap more: each newcomer is a 503."""
+    """Hold the cap with silent connections, then 3x the cap more: each newcomer sheds the
+    oldest silent one (closed without an answer), so the first 3x the cap are closed at once."""
     counts: Counter[str] = Counter()
     held = [socket.create_connection(address) for _ in range(cap)]
     time.sleep(0.3)
-    for _ in range(3 * cap):
-        with socket.create_connection(address) as sock:
-            _, answer = closed_by_peer(sock, 5)
-            counts[_status(answer)] += 1
-    closed, _ = wait_all_closed(held, header + 5)
-    counts["held connections closed by the server"] += closed
-    counts[f"held connections still open after {header + 5:g} s"] += len(held) - closed
-    for sock in held:
+    newcomers = [socket.create_connection(address) for _ in range(3 * cap)]
+    everyone = held + newcomers
+    shed, _ = wait_all_closed(everyone[: 3 * cap], 5)
+    counts["silent connections shed by a newcomer"] += shed
+    counts["silent connections not shed in 5 s"] += 3 * cap - shed
+    closed, _ = wait_all_closed(everyone[3 * cap :], header + 5)
+    counts["newest connections closed at the header deadline"] += closed
+    counts[f"newest connections still open after {header + 5:g} s"] += cap - closed
+    for sock in everyone:
         sock.close()
     return counts
 

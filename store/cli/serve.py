@@ -144,6 +144,7 @@ def serve(
                 "header_timeout": header_timeout,
                 "body_timeout": body_timeout,
                 "send_timeout": send_timeout,
+                "token": token,  # at the cap, connections that never sent it are shed first
             }
             server = _server(app, tls, limits)
             scheme = "http" if tls is None else "https"

@@ -5,8 +5,12 @@ requests (``timeout_keep_alive``), but not the connections it holds, nor the tim
 take to send its headers or its body: a peer that connects and says nothing, or sends a byte
 every few seconds, holds a file descriptor forever.  ``GuardedH11Protocol`` adds:
 
-* a connection cap: past ``max_connections`` open connections a newcomer is answered
-  ``503 too_many_connections`` and closed at once (the process never runs out of fds);
+* a connection cap: at ``max_connections`` open connections a newcomer sheds the connection
+  that has gone longest without sending a request carrying the server's token (one that never
+  sent one first, oldest first; then the one whose last authorised request is oldest), so a
+  flood of idle or unauthorised connections cannot keep an authorised client out.  A connection
+  with a request in progress is never shed; only when every connection has one is a newcomer
+  answered ``503 too_many_connections`` and closed at once (the process never runs out of fds);
 * a header deadline: a request's line and headers must all arrive within ``header_timeout``
   seconds of its first byte (or of the connection, for a silent peer), else ``408`` and close;
 * a body deadline: the body must arrive within ``body_timeout`` seconds of the headers; the
@@ -27,6 +31,7 @@ request received.") from letting a stranger write the server's log at the rate i
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 import time
@@ -87,7 +92,9 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout = DEFAULT_HEADER_TIMEOUT
     body_timeout = 30.0
     send_timeout = DEFAULT_SEND_TIMEOUT
+    token: bytes | None = None  # the bearer token: at the cap, who never sent it is shed first
     refused_connections = 0  # counted across the process, for tests and the soak
+    shed_connections = 0  # likewise: idle connections closed to let a newcomer in
     abandoned_sends = 0  # likewise: connections aborted at the send deadline
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -96,6 +103,9 @@ class GuardedH11Protocol(H11Protocol):
         self._phase: str | None = None  # "headers" or "body" while a deadline is armed
         self._refused = False
         self._send_deadline: asyncio.TimerHandle | None = None
+        self._since = time.monotonic()  # connected, or last sent an authorised request
+        self._authorised = False
+        self._checked: object = None  # the request cycle whose headers were checked last
 
     @classmethod
     def configure(
@@ -105,20 +115,23 @@ class GuardedH11Protocol(H11Protocol):
         header_timeout: float,
         body_timeout: float,
         send_timeout: float = DEFAULT_SEND_TIMEOUT,
+        token: str | None = None,
     ) -> type[GuardedH11Protocol]:
-        """A subclass with these bounds (uvicorn takes a protocol class, not an instance)."""
+        """A subclass with these bounds (uvicorn takes a protocol class, not an instance).
+        ``token``: the bearer token (None: any whole request counts as authorised)."""
         bounds = {
             "max_connections": max_connections,
             "header_timeout": header_timeout,
             "body_timeout": body_timeout,
             "send_timeout": send_timeout,
+            "token": None if token is None else f"Bearer {token}".encode("ascii"),
         }
         return type("GuardedH11Protocol", (cls,), bounds)
 
     # --- the connection cap -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
+        if self._open_connections() >= self.max_connections and not self._shed_one():
             self._refused = True
             self.transport = transport
             type(self).refused_connections += 1
@@ -128,6 +141,42 @@ class GuardedH11Protocol(H11Protocol):
             return
         super().connection_made(transport)
         self._arm("headers", self.header_timeout)
+
+    def _open_connections(self) -> int:
+        """Connections that count against the cap: those not already closing (a shed one is)."""
+        return sum(1 for other in self.connections if not other.transport.is_closing())
+
+    def _shed_one(self) -> bool:
+        """Close the connection that has gone longest without an authorised request, among those
+        with no request in progress; False if every connection has one."""
+        idle = [
+            other
+            for other in self.connections
+            if isinstance(other, GuardedH11Protocol) and not other.transport.is_closing() and other._idle()
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda other: (other._authorised, other._since))
+        type(self).shed_connections += 1
+        victim.transport.close()  # it asked for nothing now: no answer is owed
+        return True
+
+    def _idle(self) -> bool:
+        """No request of this connection is being answered, and none has been read whole."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _note_request(self) -> None:
+        """A whole request's headers arrived: it is authorised if it carries the token."""
+        cycle = self.cycle
+        if cycle is None or cycle is self._checked:
+            return
+        self._checked = cycle
+        if self.token is None or any(
+            name == b"authorization" and hmac.compare_digest(value, self.token)
+            for name, value in cycle.scope["headers"]
+        ):
+            self._authorised = True
+            self._since = time.monotonic()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -142,10 +191,12 @@ class GuardedH11Protocol(H11Protocol):
         if self._refused:
             return
         super().data_received(data)
+        self._note_request()
         self._follow()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._note_request()  # a pipelined request's cycle starts here, not in data_received
         self._follow()
 
     def _follow(self) -> None:
