@@ -90,6 +90,7 @@ from store import (
     open_store,
     to_json,
 )
+from store.coordinator import worker_log
 
 FLUSH_THRESHOLD = 3
 
@@ -190,8 +191,17 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
         )
         # The policy server's coordinator lives and dies with the process, as the store does.
         socket_path = os.path.join(self.folder, "policy.sock")
-        self.coordinator = Coordinator(socket_path, expected_workers=2, store=self.store, message_timeout=5).start()
-        self.clients: list[tuple[WorkerClient, int]] = []  # connected: (client, place in worker_states)
+        self.coordinator = Coordinator(socket_path, expected_workers=2, store=self.store, message_timeout=5)
+        # The store records one join of a process per window (worker_log.EventLimit); this process
+        # plays every worker, so the join rule moves the window's clock and the model follows it.
+        self.join_clock = 0.0
+        self.last_recorded_join: float | None = None
+        self.coordinator._events = worker_log.EventLimit(
+            self.coordinator.max_connections, clock=lambda: self.join_clock
+        )
+        self.coordinator.start()
+        # connected: (client, place in worker_states; None when its join was not recorded)
+        self.clients: list[tuple[WorkerClient, int | None]] = []
 
     def _close_process(self) -> None:
         """Everything in the process goes: workers stay "connected" in the log (no one saw them go)."""
@@ -902,13 +912,23 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
     # --- policy workers come and go (store.coordinator) ---------------------------------------------
 
     @precondition(lambda self: len(self.clients) < 3)
-    @rule()
-    def join(self) -> None:
+    @rule(later=st.booleans())
+    def join(self, later: bool) -> None:
+        """A worker joins, a window after the last recorded join or within it (then the store
+        records neither its join nor its leave: ``worker_log.EventLimit``)."""
         self.steps["join"] += 1
+        if later:
+            self.join_clock += worker_log.EVENT_WINDOW
+        last = self.last_recorded_join
+        recorded = last is None or self.join_clock - last >= worker_log.EVENT_WINDOW
         # The test process plays every worker: a lost coordinator must not SIGTERM it.
         client = WorkerClient.connect(self.coordinator.socket_path, message_timeout=5, shutdown_on_loss=False)
-        self.clients.append((client, len(self.worker_states)))
-        self.worker_states.append("connected")  # logged before register was answered
+        if recorded:
+            self.last_recorded_join = self.join_clock
+            self.clients.append((client, len(self.worker_states)))
+            self.worker_states.append("connected")  # logged before register was answered
+        else:
+            self.clients.append((client, None))
 
     @precondition(lambda self: bool(self.clients))
     @rule(data=st.data(), clean=st.booleans())
@@ -920,9 +940,11 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
             client.stop()
         else:
             client._peer.close()  # type: ignore[union-attr]  # no goodbye: as if the process died
-        self.worker_states[position] = "stopped" if clean else "lost"
+        if position is not None:
+            self.worker_states[position] = "stopped" if clean else "lost"
         # The coordinator logs a leave as it sees the connection close: give it a moment.
         wait_for(lambda: [w.state for w in self.store.workers()] == self.worker_states)
+        wait_for(lambda: self.coordinator.status()["connected"] == len(self.clients))
 
     @invariant()
     def acknowledged_keys_fetch_as_their_records(self) -> None:
