@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -164,6 +166,45 @@ def test_ship_follow_on_the_command_line_stops_cleanly_on_sigint(tmp_path: Path)
     assert process.returncode == 0, err
     totals = json.loads(out)
     assert (totals["ok"], totals["appended"], totals["stopped"]) == (True, 3, "stopped")
+
+
+def test_ship_follow_started_on_a_closed_store_ships_what_a_worker_commits_later(tmp_path: Path) -> None:
+    """Issue 33 item 7: a follow that opened its source while no process had it open read it
+    ``immutable``: a worker that opened it afterwards was never shipped (0 events, exit 0)."""
+    source = _source(tmp_path / "worker.db", 3)
+    source.close()
+    assert not (tmp_path / "worker.db-wal").exists()
+    open_store(str(tmp_path / "target.db")).close()
+    command = [*CLI, "ship", str(tmp_path / "worker.db"), str(tmp_path / "target.db"), "--follow", "--json"]
+    process = subprocess.Popen(
+        [*command, "--interval", "0.1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    assert process.stdout is not None
+    stdout = process.stdout
+    threading.Thread(target=lambda: [lines.put(line) for line in iter(stdout.readline, "")], daemon=True).start()
+    try:
+        assert json.loads(lines.get(timeout=20))["round"]["appended"] == 3
+        worker = _source(tmp_path / "worker.db", 2, prefix="later")  # the worker starts again, and stages
+        with sqlite3.connect(tmp_path / "worker.db") as checkpoint:  # and its commits reach the database file
+            checkpoint.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        checkpoint.close()
+        assert worker.stage(make_record(rollout_id="last")).ok
+        shipped = 0
+        while shipped < 3:  # the later rounds' lines (before: none ever came)
+            shipped += json.loads(lines.get(timeout=20))["round"]["appended"]
+        assert shipped == 3
+        worker.close()
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    assert process.returncode == 0, err
+    time.sleep(0.2)  # the reader thread takes the last lines
+    totals = "".join(lines.get_nowait() for _ in range(lines.qsize()))
+    assert json.loads(totals)["appended"] == 6
+    with open_store(str(tmp_path / "target.db"), read_only=True) as target:
+        assert {key.rollout_id for key in target.staged_keys()} == {"r0", "r1", "r2", "later0", "later1", "last"}
+    assert sorted(os.listdir(tmp_path)) == ["target.db", "worker.db"]  # the follower removed what it needed
 
 
 _SIGNAL_IN_THE_WAIT = """
