@@ -241,19 +241,17 @@ class Peer:
         """Run the request on a thread of its own, or queue it behind the ``MAX_IN_FLIGHT`` running;
         refused when the queue is full or its bytes would pass this connection's or the budget's bound."""
         size = len(payload)
-        refusal = None
         with self._lock:
             full = self._in_flight >= MAX_IN_FLIGHT
             if full and len(self._queued) >= MAX_QUEUED:
-                refusal = f"{MAX_IN_FLIGHT} requests are running and {MAX_QUEUED} waiting; retry"
-            elif (refusal := self._take(size)) is not None:
-                pass
-            elif full:
-                self._held += size
-                self._queued.append((ident, payload))
-                return
+                refusal: str | None = f"{MAX_IN_FLIGHT} requests are running and {MAX_QUEUED} waiting; retry"
             else:
+                refusal = self._take(size)
+            if refusal is None:
                 self._held += size
+                if full:
+                    self._queued.append((ident, payload))
+                    return
                 self._in_flight += 1
         if refusal is not None:
             self._refuse(ident, CoordinatorError(refusal, status=503, code="checkpoint_busy"))
