@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     )
     from store.errors import (
         AdmissionTypeError,
+        AttachmentsUnsupportedError,
         CaptureDataError,
         CaptureError,
         CommitUncertainError,
@@ -184,6 +185,7 @@ _MODULES = {
     "ASSISTANT_FINGERPRINT_VERSION": "store.rebuild.terminal",
     "ActiveCall": "store.worker.active_call",
     "AdmissionTypeError": "store.errors",
+    "AttachmentsUnsupportedError": "store.errors",
     "AuditProblem": "store.audit",
     "AuditReport": "store.audit",
     "CallInfo": "store.queries.reads",
@@ -329,6 +331,7 @@ __all__ = [
     "ASSISTANT_FINGERPRINT_VERSION",
     "ActiveCall",
     "AdmissionTypeError",
+    "AttachmentsUnsupportedError",
     "AuditProblem",
     "AuditReport",
     "CallInfo",
