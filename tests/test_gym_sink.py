@@ -394,3 +394,128 @@ def test_gyms_control_client_reads_the_manifest_route(store: Store, gym_control_
     ledger.retire(["route"])
     with pytest.raises(RuntimeError, match="HTTP 410"):  # Gym's client refuses every non-200 alike
         asyncio.run(gym_control_client.manifest("route"))
+
+
+def test_gyms_control_client_is_refused_without_the_right_token(store: Store, gym_control_client: Any) -> None:
+    gym_control_client._headers["Authorization"] = "Bearer not-the-token-0123456789"
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        asyncio.run(gym_control_client.manifest("route"))
+
+
+# --- item 6: the smaller items -----------------------------------------------------------------
+
+
+def _deep(depth: int) -> dict[str, Any]:
+    value: Any = 1
+    for _ in range(depth - 1):
+        value = [value]
+    return {"deep": value}
+
+
+@pytest.mark.parametrize("depth", [40, 255])
+def test_every_record_gym_can_write_is_storable(store: Store, depth: int) -> None:
+    """Extras as deep as Gym's own JSON writer goes (255: pydantic refuses deeper) are staged
+    through Gym's capture, fetched equal, and read back by Gym's class."""
+    capture = _capture(store)
+    call = capture.begin_call(gym_staging.CaptureAdmission(rollout_id="deep", model_call_id="c1", mode="text"))
+    coords = capture.complete_call(
+        call, prompt_token_ids=[1], generated_token_ids=[2], generated_logprobs=[-0.5], extras=_deep(depth)
+    )
+    assert coords.disposition == "staged"
+    [snapshot] = store.fetch([coords.staging_key])
+    assert snapshot.extras == _deep(depth)
+    [gym_snapshot] = store.fetch([coords.staging_key], snapshot_type=gym_records.StagedCallSnapshot)
+    assert gym_snapshot.extras == _deep(depth)
+
+
+def test_extras_deeper_than_gym_can_write_are_refused_bounded(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    from pydantic_core import PydanticSerializationError
+
+    from store import EXTRAS_MAX_DEPTH
+
+    assert EXTRAS_MAX_DEPTH == 255
+    capture = _capture(store)
+    call = capture.begin_call(gym_staging.CaptureAdmission(rollout_id="deeper", model_call_id="c1", mode="text"))
+    sink_saw: list[Any] = []
+
+    class Spy:
+        def stage(self, record: Any, *, attachments: Any = None) -> Any:
+            sink_saw.append(record)
+            return store.stage(record)
+
+    capture = gym_staging.RolloutTokenCapture(sink=Spy(), weight_version_fn=lambda: 1)
+    call = capture.begin_call(gym_staging.CaptureAdmission(rollout_id="deeper", model_call_id="c1", mode="text"))
+    with caplog.at_level(logging.WARNING):
+        coords = capture.complete_call(
+            call, prompt_token_ids=[1], generated_token_ids=[2], generated_logprobs=[-0.5], extras=_deep(256)
+        )
+    assert coords.disposition == "capture_failed" and "EXTRAS_MAX_DEPTH" in caplog.text
+    with pytest.raises(PydanticSerializationError):  # Gym cannot write this record out either
+        sink_saw[0].model_dump_json()
+    assert store.staged_keys() == []
+
+
+def test_log_probs_come_back_as_the_float32_values_the_digest_commits_to(store: Store) -> None:
+    """Documented (docs/reference.md): the digest packs log-probs as float32, so the store keeps and
+    returns the float32 values; Gym's verifier accepts them and the digest is the staged one."""
+    import struct
+
+    first, second = _stage_chain(store)
+    [snapshot] = store.fetch([first.staging_key])
+    staged = [0.0, 0.0, 0.0, -0.1, -0.25]
+    assert list(snapshot.generation_log_probs_delta) == [struct.unpack(">f", struct.pack(">f", v))[0] for v in staged]
+    assert snapshot.generation_log_probs_delta[3] == -0.10000000149011612 != -0.1
+    assert snapshot.digest == first.digest
+    snapshots = store.fetch([first.staging_key, second.staging_key], snapshot_type=gym_records.StagedCallSnapshot)
+    assert gym_staging.verify_and_linearize(_receipt(first, second), snapshots).logprobs[3] == -0.10000000149011612
+
+
+def test_gyms_install_capture_takes_the_store_as_its_sink(store: Store) -> None:
+    """``install_capture`` and ``CaptureHost`` are Gym's serving-layer wiring; the store does not
+    repeat them: Gym's own take the store as the sink."""
+    host = gym_staging.CaptureHost()
+    capture = gym_staging.install_capture(host, sink=store, weight_version_fn=lambda: 5)
+    assert host.token_capture is capture
+    call = capture.begin_call(gym_staging.CaptureAdmission(rollout_id="host", model_call_id="c1", mode="text"))
+    coords = capture.complete_call(call, prompt_token_ids=[1], generated_token_ids=[2], generated_logprobs=[-0.5])
+    assert coords.disposition == "staged" and store.fetch([coords.staging_key])[0].weight_version == 5
+
+
+def test_the_stores_digests_meet_gyms_golden_vectors() -> None:
+    """Gym's ``load_golden_vectors`` / ``assert_golden_vectors`` check Gym's own functions; the
+    store does not repeat them, and its functions give Gym's expected digests."""
+    from store import compute_extras_digest, compute_staging_digest
+
+    vectors = gym_staging.load_golden_vectors()
+    assert compute_extras_digest(vectors["extras"]) == vectors["extras_digest"]
+    assert compute_staging_digest(**vectors["staged_call"]) == vectors["staged_call_digest"]
+
+
+def test_the_gym_names_the_store_offers_are_gyms() -> None:
+    import store
+
+    assert store.STAGING_DIGEST_VERSION == gym_staging.STAGING_DIGEST_VERSION
+    assert store.EXTRAS_DIGEST_VERSION == gym_staging.EXTRAS_DIGEST_VERSION
+    assert store.staging_key("r", "c") == gym_staging.staging_key("r", "c") == "r/c"
+    for empty in (("", "c"), ("r", "")):
+        with pytest.raises(ValueError):
+            store.staging_key(*empty)
+    assert set(store.CaptureMode.__args__) == set(gym_records.CaptureMode.__args__)
+    assert set(store.CaptureDisposition.__args__) == set(gym_records.CaptureDisposition.__args__)
+    for ids in ([], [0], [1, 2, 3], [2**64 - 1, 5]):
+        assert store.encode_token_ids(ids) == gym_staging.encode_token_ids(ids)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32"])
+def test_gyms_routing_helpers_read_the_stores_envelopes(dtype: str) -> None:
+    """``routed_experts_token_count`` and friends are Gym's; they read the store's envelopes."""
+    from store import decode_routed_experts, encode_routed_experts
+
+    table = [[[layer * 3 + k for k in range(2)] for layer in range(4)] for _ in range(5)]
+    envelope = encode_routed_experts(table, dtype)
+    assert envelope == gym_staging.encode_routed_experts(table, dtype=dtype)
+    assert gym_staging.routed_experts_token_count(envelope) == 5
+    assert gym_staging.decode_routed_experts(envelope).values == table
+    assert decode_routed_experts(gym_staging.encode_routed_experts(table, dtype=dtype)) == decode_routed_experts(
+        envelope
+    )

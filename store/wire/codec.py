@@ -48,6 +48,12 @@ _OMITTED_WHEN_EMPTY: dict[str, tuple[str, ...]] = {
 _HOLDERS = frozenset({"RolloutManifest", "RolloutReceipt", "CaptureLedgerCommit"})
 
 
+def lean_builtins(record: msgspec.Struct) -> Any:
+    """The record as JSON-ready builtins (``to_json``'s fields: empty extension fields left out)."""
+    lean = _lean(record)
+    return lean if not isinstance(lean, msgspec.Struct) else msgspec.to_builtins(lean, enc_hook=_enc_hook)
+
+
 def _lean(record: Any) -> Any:
     """``record``, or (for a record with an empty extension field) its builtins without it."""
     name = type(record).__name__
