@@ -383,7 +383,8 @@ class Store(LogShipping, DurabilityDomain):
         """The event of one record to stage (a ``StageEntry``'s fields; ``stage`` makes no
         entry); every argument is checked here, before any write."""
         if not isinstance(record, StagedCallRecord):
-            raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
+            kind_of = f"{type(record).__module__}.{type(record).__qualname__}"
+            raise InvalidRecordError(f"a StageEntry holds the store's StagedCallRecord, got {kind_of}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
         kind = arguments.record_kind(kind)
         key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, staging_key, kind)

@@ -132,6 +132,14 @@ def test_a_bad_gym_record_is_refused_with_the_stores_error_and_nothing_written(s
     assert store.staged_keys() == []
 
 
+def test_stage_all_names_a_gym_record_it_does_not_take(store: Store) -> None:
+    from store import StageEntry
+
+    with pytest.raises(InvalidRecordError, match=r"holds the store's StagedCallRecord, got nemo_gym\."):
+        store.stage_all([StageEntry(_gym_record())])
+    assert store.staged_keys() == []
+
+
 def test_attachments_are_refused_never_dropped(store: Store, caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(AttachmentsUnsupportedError, match="holds no attachments"):
         store.stage(_gym_record(), attachments={"pixel_values": b"\x00"})

@@ -14,7 +14,10 @@ completing its own calls; only the sink differs:
 Each round runs one short block of each (``--block`` calls per thread), every block on fresh
 files, the order flipped every round; the ratio is taken per round (Gym's time over the
 store's) and the report gives the median, min and max of the per-round ratios, for the whole
-call (``complete_call``, capture plus sink) and for the sink alone (time inside ``stage``).
+call (``complete_call``, capture plus sink) and for the sink alone (time inside ``stage``);
+and, for scale, the same records prebuilt by Gym's capture before the clock and staged straight
+into each sink from the same threads (``prebuilt records, sink only``: no Gym capture code
+holding the interpreter lock between stages).
 
     .venv/bin/python tools/bench_gym_capture.py [--quick] [--json] [--rounds R] [--block B] [--tokens P,G]
 
@@ -150,6 +153,52 @@ def run_block(sink: Any, work: list[list[Call]]) -> tuple[float, float]:
     return wall, timed.seconds() / len(work)
 
 
+class _Keep:
+    """A sink that keeps what Gym's capture hands it (to build the prebuilt records)."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def stage(self, record: Any, *, attachments: Any = None) -> Any:
+        self.records.append(record)
+        return StageResult(ok=True, staging_key=f"{record.rollout_id}/{record.model_call_id}")
+
+
+def prebuilt(work: list[list[Call]]) -> list[list[Any]]:
+    """Gym's own ``StagedCallRecord`` of every call, built by Gym's capture before the clock."""
+    out = []
+    for calls in work:
+        keep = _Keep()
+        capture = RolloutTokenCapture(sink=keep, weight_version_fn=lambda: 1)
+        for rollout, call_id, prompt, generated, logprobs in calls:
+            call = capture.begin_call(CaptureAdmission(rollout_id=rollout, model_call_id=call_id, mode="text"))
+            capture.complete_call(
+                call, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=logprobs
+            )
+        out.append(keep.records)
+    return out
+
+
+def run_sink_block(sink: Any, records: list[list[Any]]) -> float:
+    """Wall seconds for every thread to stage its prebuilt records into the sink."""
+    barrier = threading.Barrier(len(records) + 1)
+
+    def worker(mine: list[Any]) -> None:
+        barrier.wait()
+        for record in mine:
+            if not sink.stage(record).ok:
+                raise RuntimeError(f"{record.rollout_id}/{record.model_call_id} was refused")
+
+    threads = [threading.Thread(target=worker, args=(mine,)) for mine in records]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds (default 7)")
@@ -167,7 +216,7 @@ def main() -> None:
     with temp_dir(args.dir) as base:
         report.notes.append(f"fsync on the benchmark's file system: {fsync_seconds(base) * 1e3:.2f} ms")
         for threads in THREADS:
-            ratios: dict[str, list[float]] = {"call": [], "sink": []}
+            ratios: dict[str, list[float]] = {"call": [], "sink": [], "prebuilt": []}
             seconds: dict[str, list[float]] = {"store": [], "gym": []}
             for round_index in range(rounds):
                 tag = f"b{threads}-{round_index}"
@@ -188,17 +237,30 @@ def main() -> None:
                     finally:
                         if name == "store":
                             sink.close()
+                records = prebuilt(make_calls(f"{tag}p", threads, block, prompt, generated, args.seed + round_index))
+                sink_only: dict[str, float] = {}
+                for name, make in order:
+                    folder = os.path.join(base, f"{tag}-{name}-prebuilt")
+                    os.makedirs(folder)
+                    sink = make(folder)
+                    try:
+                        sink_only[name] = run_sink_block(sink, records)
+                    finally:
+                        if name == "store":
+                            sink.close()
+                ratios["prebuilt"].append(sink_only["gym"] / sink_only["store"])
                 ratios["call"].append(results["gym"][0] / results["store"][0])
                 ratios["sink"].append(results["gym"][1] / results["store"][1])
                 calls = threads * block
                 seconds["store"].append(results["store"][0] / calls)
                 seconds["gym"].append(results["gym"][0] / calls)
-            for what in ("call", "sink"):
+            labels = {"call": "whole call", "sink": "sink alone", "prebuilt": "prebuilt records, sink only"}
+            for what in ("call", "sink", "prebuilt"):
                 values = ratios[what]
                 median = statistics.median(values)
                 rows.append(
                     [
-                        f"x{threads} {'whole call' if what == 'call' else 'sink alone'}",
+                        f"x{threads} {labels[what]}",
                         f"{median:.2f}x",
                         f"{min(values):.2f}x",
                         f"{max(values):.2f}x",
