@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     )
     from store.errors import (
         AdmissionTypeError,
+        AttachmentsUnsupportedError,
         CaptureDataError,
         CaptureError,
         CommitUncertainError,
@@ -127,19 +128,24 @@ if TYPE_CHECKING:
     )
     from store.wire.digest import (
         EMPTY_EXTRAS_DIGEST,
+        EXTRAS_DIGEST_VERSION,
         EXTRAS_MAX_DEPTH,
+        STAGING_DIGEST_VERSION,
         STAGING_SCHEMA_VERSION,
         SUPPORTED_SCHEMA_VERSIONS,
         build_staging_delta,
         compute_chain_hash,
         compute_extras_digest,
         compute_staging_digest,
+        encode_token_ids,
         hash_token_ids,
     )
     from store.wire.records import (
         CallRecord,
         CaptureAdmission,
+        CaptureDisposition,
         CaptureLedgerCommit,
+        CaptureMode,
         CommitCoords,
         GenerationCutContinuation,
         ManifestFailure,
@@ -150,6 +156,7 @@ if TYPE_CHECKING:
         StagedCallRecord,
         StagedCallSnapshot,
         StageResult,
+        staging_key,
     )
     from store.worker.active_call import ActiveCall, Continuation
     from store.worker.capture import CaptureAdapter, RolloutTokenCapture
@@ -184,6 +191,7 @@ _MODULES = {
     "ASSISTANT_FINGERPRINT_VERSION": "store.rebuild.terminal",
     "ActiveCall": "store.worker.active_call",
     "AdmissionTypeError": "store.errors",
+    "AttachmentsUnsupportedError": "store.errors",
     "AuditProblem": "store.audit",
     "AuditReport": "store.audit",
     "CallInfo": "store.queries.reads",
@@ -207,6 +215,12 @@ _MODULES = {
     "DigestValueError": "store.errors",
     "EMPTY_EXTRAS_DIGEST": "store.wire.digest",
     "EXTRAS_MAX_DEPTH": "store.wire.digest",
+    "EXTRAS_DIGEST_VERSION": "store.wire.digest",
+    "STAGING_DIGEST_VERSION": "store.wire.digest",
+    "encode_token_ids": "store.wire.digest",
+    "CaptureDisposition": "store.wire.records",
+    "CaptureMode": "store.wire.records",
+    "staging_key": "store.wire.records",
     "EventKind": "store.log.events",
     "ExportFailure": "store.lineage",
     "ExportReport": "store.lineage",
@@ -329,6 +343,7 @@ __all__ = [
     "ASSISTANT_FINGERPRINT_VERSION",
     "ActiveCall",
     "AdmissionTypeError",
+    "AttachmentsUnsupportedError",
     "AuditProblem",
     "AuditReport",
     "CallInfo",
@@ -352,6 +367,12 @@ __all__ = [
     "DigestValueError",
     "EMPTY_EXTRAS_DIGEST",
     "EXTRAS_MAX_DEPTH",
+    "EXTRAS_DIGEST_VERSION",
+    "STAGING_DIGEST_VERSION",
+    "encode_token_ids",
+    "CaptureDisposition",
+    "CaptureMode",
+    "staging_key",
     "EventKind",
     "ExportFailure",
     "ExportReport",

@@ -31,6 +31,11 @@ class StagingRefusedError(StoreError):
     """An all-or-nothing staging batch was refused: a key already holds a different record."""
 
 
+class AttachmentsUnsupportedError(StoreError, TypeError):
+    """``stage(record, attachments=...)`` was given attachments: the store holds none, so it
+    refuses the call (nothing written) rather than drop them (Gym's ``StagingSink`` rule)."""
+
+
 class ConfigurationError(StoreError, ValueError):
     """``open_store`` was given an unusable URL, path or option."""
 

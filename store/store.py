@@ -7,17 +7,23 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from store import arguments
 from store.append.log import EventLog
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_event
 from store.append.transaction import WriteTransaction
-from store.errors import InvalidRecordError, ReadOnlyStoreError, StagingRefusedError, StoreClosedError
+from store.errors import (
+    AttachmentsUnsupportedError,
+    InvalidRecordError,
+    ReadOnlyStoreError,
+    StagingRefusedError,
+    StoreClosedError,
+)
 from store.lifecycle import CallGate, operation, track_for_fork
 from store.lineage import export, tree, versions
 from store.lineage import linearize as lineage_linearize
@@ -58,6 +64,7 @@ from store.retention.ledger import CaptureLedger
 from store.shipping import replica as replication
 from store.shipping.domain import DurabilityDomain
 from store.shipping.methods import LogShipping
+from store.wire import foreign
 from store.wire.codec import from_json
 from store.wire.cut_records import GenerationCutPrefixAck, GenerationCutReceipt, capture_key
 from store.wire.records import RolloutRemoval, StagedCallRecord, StagedCallSnapshot, StageResult
@@ -217,6 +224,7 @@ class Store(LogShipping, DurabilityDomain):
         self,
         record: StagedCallRecord,
         *,
+        attachments: Mapping[str, Any] | None = None,
         staging_key: str | None = None,
         kind: EventKind = EventKind.CALL_COMPLETED,
         spans: Sequence[Span] | None = None,
@@ -231,12 +239,36 @@ class Store(LogShipping, DurabilityDomain):
         is a call's terminal record, its generated tokens produced by its weight version.
         ``recorded_at``: the event's time (seconds since the epoch; now when None), as the
         capture's clock stamps a completion so its evidence ages on that clock.
+
+        NeMo Gym's ``StagedCallRecord`` (a pydantic model) is staged as the store's own record
+        (read through its JSON, every check and digest verified), and the answer is Gym's
+        ``StageResult``, so the store is Gym's ``StagingSink`` as it is.  ``attachments``
+        (Gym's framework payloads): None or empty only; the store holds no attachments and
+        refuses any (``AttachmentsUnsupportedError``, nothing written) rather than drop them.
         """
+        family: type | None = None
+        if not isinstance(record, StagedCallRecord):
+            family = type(record)
+            record = foreign.native_record(record)
+        if attachments is not None:
+            if not isinstance(attachments, Mapping):
+                raise InvalidRecordError(f"attachments must be a mapping or None, got {type(attachments).__name__}")
+            if attachments:
+                raise AttachmentsUnsupportedError(
+                    f"stage(attachments=...) names {sorted(map(str, attachments))[:4]}: this store holds no "
+                    f"attachments, so the call for {record.rollout_id}/{record.model_call_id} is refused "
+                    "(nothing written) rather than staged without them"
+                )
         event = self._record_event(record, staging_key, kind, spans, completion, _recorded_at(recorded_at))
         stream = (event.rollout_id, event.model_call_id, event.staging_key or "")
-        result = self._log.write(lambda tx: stage_event(tx, event, record.digest), ahead=(stream,), guess=True)
+        staged = record
+        result = self._log.write(lambda tx: stage_event(tx, event, staged.digest), ahead=(stream,), guess=True)
         if result.ok and event.kind is EventKind.CALL_COMPLETED and self._domain.replicate_terminal:
             self._replicate_terminal([result], f"the terminal record of {record.rollout_id}/{record.model_call_id}")
+        if family is not None:
+            answer = foreign.family_class(family, "StageResult")
+            if answer is not None:
+                return foreign.as_model(result, answer)  # type: ignore[no-any-return]
         return result
 
     @operation
@@ -351,7 +383,8 @@ class Store(LogShipping, DurabilityDomain):
         """The event of one record to stage (a ``StageEntry``'s fields; ``stage`` makes no
         entry); every argument is checked here, before any write."""
         if not isinstance(record, StagedCallRecord):
-            raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
+            kind_of = f"{type(record).__module__}.{type(record).__qualname__}"
+            raise InvalidRecordError(f"a StageEntry holds the store's StagedCallRecord, got {kind_of}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
         kind = arguments.record_kind(kind)
         key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, staging_key, kind)
@@ -365,9 +398,22 @@ class Store(LogShipping, DurabilityDomain):
         return NewEvent(kind, rollout_id, model_call_id, body, key, columns, recorded_at=recorded_at)
 
     @operation
-    def fetch(self, keys: Sequence[str]) -> list[StagedCallSnapshot]:
-        """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent."""
-        return self._reader.fetch(arguments.texts("fetch() keys", keys))
+    def fetch(self, keys: Sequence[str], *, snapshot_type: type[Any] | None = None) -> list[StagedCallSnapshot]:
+        """One verified snapshot per key, in the order asked; ``UnknownKeyError`` if any is absent.
+
+        ``snapshot_type``: a pydantic model class of the wire, NeMo Gym's ``StagedCallSnapshot``
+        or ``StagedCallBaseSnapshot``, to get that class's instances (what Gym's
+        ``verify_and_linearize`` accepts), each validated by the class itself;
+        ``InvalidRecordError`` when it refuses a record (a schema-3 cut chunk: Gym 0.7.0 knows
+        only schema 2).  Log-probs are the float32 values the digest commits to (see
+        docs/reference.md).
+        """
+        wanted = arguments.texts("fetch() keys", keys)
+        model = None if snapshot_type is None else foreign.snapshot_model(snapshot_type)
+        snapshots = self._reader.fetch(wanted)
+        if model is None:
+            return snapshots
+        return [foreign.as_snapshot(snapshot, model) for snapshot in snapshots]
 
     @operation
     def fetch_chunks(self, keys: Sequence[str]) -> list[StoredChunk]:

@@ -10,6 +10,7 @@ from capture_helpers import event_count, writes_nothing
 from rollouts import Rollout, manifest_row
 
 from store import (
+    ASSISTANT_FINGERPRINT_VERSION,
     UNRESOLVED_PARENT,
     WORKER_CAPTURE_FAILED,
     CallRecord,
@@ -20,6 +21,7 @@ from store import (
     RolloutFencedError,
     RolloutManifest,
     Store,
+    assistant_fingerprint,
     open_store,
     receipt_from_manifest,
     verify_and_linearize,
@@ -56,7 +58,14 @@ class Conversation:
         self.chains[call_id] = (*parent_chain, staged.staging_key)
         commit = CaptureLedgerCommit(
             rollout_id=self.rollout.rollout_id,
-            record=manifest_row(staged, admitted_at=float(len(self.items))),
+            # Stamped with fingerprints as Gym's model server stamps every row it commits.
+            record=manifest_row(
+                staged,
+                admitted_at=float(len(self.items)),
+                output_fingerprint=assistant_fingerprint(response),
+                continuation_fingerprint=assistant_fingerprint([*request, *response]),
+                fingerprint_version=ASSISTANT_FINGERPRINT_VERSION,
+            ),
             staging_chain=self.chains[call_id],
             request_items=request,
             response_items=response,

@@ -78,6 +78,7 @@ from store import (
     GenerationCutPrefix,
     GenerationCutPrefixAck,
     GenerationCutReceipt,
+    InvalidRecordError,
     ReadOnlyStoreError,
     ReceiptVerificationError,
     RolloutFencedError,
@@ -91,6 +92,11 @@ from store import (
     to_json,
 )
 from store.coordinator import worker_log
+
+try:  # NeMo Gym 0.7.0's records, for the rule that stages Gym's own record (left out without Gym)
+    from nemo_gym.token_id_capture.staging import records as gym_records
+except ImportError:
+    gym_records = None
 
 FLUSH_THRESHOLD = 3
 
@@ -719,6 +725,31 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
         ledger.record(commit)
         ledger.record(commit)
         self.ledger_rows.setdefault(snapshot.rollout_id, []).append(commit.record)
+
+    def _restageable(self) -> list[str]:
+        return sorted(
+            key
+            for key, expected in self.acked.items()
+            if not key.startswith("__") and expected.digest is not None and expected.rollout_id not in self.fenced
+        )
+
+    @precondition(lambda self: gym_records is not None and bool(self._restageable()))
+    @rule(data=st.data())
+    def gym_restage(self, data: st.DataObject) -> None:
+        """NeMo Gym's own record of a staged call (fetched as Gym's snapshot), staged again: Gym's
+        ``StageResult``, ok, nothing new; a schema-3 record is one Gym 0.7.0 cannot read."""
+        self.steps["gym_restage"] += 1
+        key = data.draw(st.sampled_from(self._restageable()))
+        [own] = self.store.fetch([key])
+        if own.schema_version != 2:
+            with pytest.raises(InvalidRecordError, match="refuses"):
+                self.store.fetch([key], snapshot_type=gym_records.StagedCallSnapshot)
+            return
+        [snapshot] = self.store.fetch([key], snapshot_type=gym_records.StagedCallSnapshot)
+        assert snapshot.digest == own.digest == self.acked[key].digest
+        result = self.store.stage(gym_records.StagedCallRecord.model_validate(snapshot.model_dump()))
+        assert type(result) is gym_records.StageResult
+        assert (result.ok, result.staging_key) == (True, key)
 
     @precondition(lambda self: self.deleted_since_compact)
     @rule()

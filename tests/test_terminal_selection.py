@@ -288,11 +288,20 @@ def test_content_witness_reasons_for_unusable_output() -> None:
     rows = [_fingerprinted("c1", "hi")]
     reasons = {
         "response_has_no_output": [{"output": []}, {"output": None}, {"output": "text"}],
-        "no_model_authored_output": [{"output": [{"type": "message", "role": "user", "content": "hi"}]}],
+        "no_model_authored_output": [
+            {"output": [{"type": "message", "role": "user", "content": "hi"}]},
+            {"output": ["not an item"]},  # Gym reads the objects of the output only
+        ],
         "response_output_unfingerprintable": [
-            {"output": ["not an item"]},
-            {"output": [{"role": "assistant", "content": [{"type": "image", "url": "x"}]}]},
+            {"output": [{"role": "assistant", "content": [{"url": "x"}]}]},  # a block without a type
+            {"output": [{"role": "assistant", "content": [5]}]},
             {"output": [{"role": "assistant", "content": 5}]},
+            {"output": [{"role": "assistant", "content": "", "tool_calls": [5]}]},
+            {"output": [{"type": "function_call", "call_id": "x", "name": "f", "arguments": {"a": 2**70}}]},
+        ],
+        # What version 1 could not read, version 2 (Gym's) fingerprints: no row matches it.
+        "no_content_match": [
+            {"output": [{"role": "assistant", "content": [{"type": "image", "url": "x"}]}]},
             {"output": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]},
             {"output": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]},
             {"output": [{"type": "function_call", "call_id": "x", "name": "f", "arguments": {"a": float("nan")}}]},

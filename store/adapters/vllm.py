@@ -50,19 +50,36 @@ class VllmAdapter:
         return forced
 
     def extract_prompt_ids(self, payload: Any) -> list[int]:
-        """The engine prompt: the choice's ``prompt_token_ids``, else the response's (chat)."""
+        """The engine prompt: the response's ``prompt_token_ids`` (chat), else the message's, else
+        the choice's (completions), in the order NeMo Gym's ``VLLMCaptureAdapter`` reads them."""
         response = _object(payload)
         choice = _choice(response)
-        ids = choice.get("prompt_token_ids")
+        ids = response.get("prompt_token_ids")
         if ids is None:
-            ids = response.get("prompt_token_ids")
+            ids = _message(choice).get("prompt_token_ids")
+        if ids is None:
+            ids = choice.get("prompt_token_ids")
         if ids is None:
             raise CaptureDataError("the response carries no prompt_token_ids (request return_token_ids=true)")
         return _ints("prompt_token_ids", ids)
 
     def extract_generation(self, payload: Any) -> tuple[list[int], list[float]]:
-        """Generated ids (``token_ids``, else the ``token_id:<n>`` log-prob tokens) and their log-probs."""
+        """Generated ids and their log-probs: the message's ``generation_token_ids`` and
+        ``generation_log_probs`` when it carries both (as Gym reads them first), else the choice's
+        ``token_ids`` or the ``token_id:<n>`` log-prob tokens, with the log-probs."""
         choice = _choice(_object(payload))
+        message = _message(choice)
+        if "generation_token_ids" in message and "generation_log_probs" in message:
+            generated = _ints("message.generation_token_ids", message["generation_token_ids"])
+            values = message["generation_log_probs"]
+            if not isinstance(values, list):
+                raise CaptureDataError("message.generation_log_probs must be a list of log-probs")
+            logprobs = [_logprob(value) for value in values]
+            if len(logprobs) != len(generated):
+                raise CaptureDataError(
+                    f"{len(generated)} generated tokens but {len(logprobs)} log-probs in the message"
+                )
+            return generated, logprobs
         tokens, logprobs = _logprob_entries(choice.get("logprobs"))
         ids = choice.get("token_ids")
         if ids is not None:
@@ -80,9 +97,26 @@ class VllmAdapter:
         return generated, logprobs
 
     def extract_extras(self, payload: Any) -> dict[str, Any] | None:
-        """The choice's ``routed_experts`` (NeMo RL's routing replay), if the engine returned them."""
-        routes = _choice(_object(payload)).get("routed_experts")
-        return None if routes is None else {"routed_experts": routes}
+        """``routed_experts`` (NeMo RL's routing replay) from the message, else the choice, and the
+        response's ``media_spans`` (placeholder positions of media), as NeMo Gym reads them."""
+        response = _object(payload)
+        choice = _choice(response)
+        extras: dict[str, Any] = {}
+        routes = _message(choice).get("routed_experts")
+        if routes is None:
+            routes = choice.get("routed_experts")
+        if routes is not None:
+            if not isinstance(routes, (str, dict, list)):
+                raise CaptureDataError(
+                    f"routed_experts must be an envelope, object or list, got {type(routes).__name__}"
+                )
+            extras["routed_experts"] = routes
+        if "media_spans" in response:
+            spans = response["media_spans"]
+            if not isinstance(spans, list) or not all(isinstance(span, dict) for span in spans):
+                raise CaptureDataError("media_spans must be a list of objects")
+            extras["media_spans"] = spans
+        return extras or None
 
     def park_commit_coords(self, payload: Any, coords: CommitCoords) -> dict[str, Any]:
         """A copy of the response (a JSON object) with the coordinates as ``ng_commit_coords``."""
@@ -111,6 +145,13 @@ def _choice(response: Mapping[str, Any]) -> Mapping[str, Any]:
         count = len(choices) if isinstance(choices, list) else type(choices).__name__
         raise CaptureDataError(f"a captured call needs exactly one choice (n=1), got {count}")
     return choices[0]
+
+
+def _message(choice: Mapping[str, Any]) -> Mapping[str, Any]:
+    message = choice.get("message") or {}
+    if not isinstance(message, Mapping):
+        raise CaptureDataError(f"choice.message must be an object, got {type(message).__name__}")
+    return message
 
 
 def _logprob_entries(logprobs: Any) -> tuple[list[Any], list[float]]:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from store.rebuild import fingerprint
+from store.rebuild.fingerprint import UnfingerprintableError
 from store.wire.records import CallRecord
 
 # --- outcomes of select_terminal_call (wire-contract 3.10) ------------------------------------
@@ -104,26 +106,29 @@ def select_terminal_call(records: Sequence[CallRecord]) -> TerminalSelection:
 
 # --- the assistant fingerprint (content witness) ----------------------------------------------
 
-# Version stamped in CallRecord.fingerprint_version by writers that use ``assistant_fingerprint``;
-# rows stamped with any other version (0: none recorded) take no part in content attribution.
-ASSISTANT_FINGERPRINT_VERSION: Final = 1
+# Version stamped in CallRecord.fingerprint_version by writers that use ``assistant_fingerprint``
+# (NeMo Gym's version 2, ``store.rebuild.fingerprint``); rows stamped 1 (this store's earlier
+# fingerprint) are matched with that one, and any other version (0: none recorded) takes no part.
+ASSISTANT_FINGERPRINT_VERSION: Final = fingerprint.FINGERPRINT_VERSION
+LEGACY_FINGERPRINT_VERSION: Final = 1
 _FINGERPRINT_DOMAIN = b"staging-store-assistant-fingerprint-v1"
 _TEXT_PART_TYPES = frozenset({"text", "output_text", "input_text"})
 
 
-class UnfingerprintableError(ValueError):
-    """An output item has a shape the fingerprint cannot read (internal to the content witness)."""
-
-
 def assistant_fingerprint(items: Sequence[Any]) -> str | None:
-    """SHA-256 over the model-authored items (assistant text and tool calls), in order.
+    """NeMo Gym's assistant fingerprint (version 2) of the model-authored items, in order.
 
-    User, system and tool-output items are skipped, so reformatted tool output never changes
-    it; None when there is no model-authored item.  Only the tagged, length-prefixed text parts
-    and tool calls are hashed, not item boundaries, so Responses ``function_call`` items, chat
-    ``tool_calls`` and Anthropic ``tool_use`` blocks hash alike; JSON arguments hash canonically.
-    Raises ``UnfingerprintableError`` for an item it cannot read.
+    User, system, tool-output and reasoning items are skipped, so reformatted tool output never
+    changes it; None when there is no model-authored item.  Responses ``function_call`` items,
+    chat ``tool_calls`` and Anthropic ``tool_use`` blocks hash alike; JSON arguments hash
+    canonically.  Raises ``UnfingerprintableError`` (a ``ValueError``) for an item it cannot read.
     """
+    return fingerprint.assistant_fingerprint(items) or None
+
+
+def legacy_assistant_fingerprint(items: Sequence[Any]) -> str | None:
+    """This store's version-1 fingerprint, for rows stamped with it (SHA-256 over tagged,
+    length-prefixed assistant text and tool calls); None when there is no model-authored item."""
     hasher = hashlib.sha256(_FINGERPRINT_DOMAIN)
     count = 0
     for item in items:
@@ -142,6 +147,7 @@ def assistant_fingerprint(items: Sequence[Any]) -> str | None:
 
 
 def is_model_authored(item: Mapping[str, Any]) -> bool:
+    """Model-authored as version 1 reads it (assistant messages and function calls)."""
     kind = item.get("type")
     if kind == "function_call":
         return True
@@ -209,11 +215,13 @@ def _canonical_arguments(arguments: Any) -> str:
         raise UnfingerprintableError(f"tool-call arguments are not JSON: {exc}") from exc
 
 
-def trailing_block(items: Sequence[Any]) -> list[Any]:
+def trailing_block(
+    items: Sequence[Any], authored: Callable[[Mapping[str, Any]], bool] = is_model_authored
+) -> list[Any]:
     """The final run of consecutive model-authored items (empty if the output ends otherwise)."""
     end = len(items)
     start = end
-    while start > 0 and isinstance(items[start - 1], Mapping) and is_model_authored(items[start - 1]):
+    while start > 0 and isinstance(items[start - 1], Mapping) and authored(items[start - 1]):
         start -= 1
     return list(items[start:end])
 
@@ -280,24 +288,44 @@ def _content_witness(records: Sequence[CallRecord], response: Any) -> CallRecord
     output = _response_field(response, "output")
     if not output or not isinstance(output, (list, tuple)):
         return "response_has_no_output"
+    items = [item for item in output if isinstance(item, Mapping)]  # as Gym reads it: objects only
     try:
-        whole = assistant_fingerprint(output)
-        block = trailing_block(output)
-        tail = assistant_fingerprint(block) if block else None
+        whole = fingerprint.assistant_fingerprint(items)
+        block = trailing_block(items, fingerprint.is_assistant_authored)
+        tail = fingerprint.assistant_fingerprint(block) if block else ""
     except (UnfingerprintableError, TypeError, ValueError, RecursionError):
         return "response_output_unfingerprintable"
-    if whole is None:
+    if not whole:
         return "no_model_authored_output"
-    current = [record for record in records if record.fingerprint_version == ASSISTANT_FINGERPRINT_VERSION]
+    readings: dict[int, tuple[str | None, str | None]] = {ASSISTANT_FINGERPRINT_VERSION: (whole, tail or None)}
+    if any(record.fingerprint_version == LEGACY_FINGERPRINT_VERSION for record in records):
+        readings[LEGACY_FINGERPRINT_VERSION] = _legacy_readings(output)
     matches = _collapse(
         record
-        for record in current
-        if whole in (record.continuation_fingerprint, record.output_fingerprint)
-        or (tail is not None and tail == record.output_fingerprint)
+        for record in records
+        if record.fingerprint_version in readings and _content_matches(record, *readings[record.fingerprint_version])
     )
     if not matches:
         return "no_content_match"
     return matches[0] if len(matches) == 1 else "content_ambiguous"
+
+
+def _legacy_readings(output: Sequence[Any]) -> tuple[str | None, str | None]:
+    """Version 1's (whole, trailing block) fingerprints of the output; (None, None) when it
+    cannot read the output (rows stamped 1 then match nothing)."""
+    try:
+        block = trailing_block(output)
+        return legacy_assistant_fingerprint(output), legacy_assistant_fingerprint(block) if block else None
+    except (UnfingerprintableError, TypeError, ValueError, RecursionError):
+        return None, None
+
+
+def _content_matches(record: CallRecord, whole: str | None, tail: str | None) -> bool:
+    if whole is None:
+        return False
+    return whole in (record.continuation_fingerprint, record.output_fingerprint) or (
+        tail is not None and tail == record.output_fingerprint
+    )
 
 
 _RESPONSE_WITNESSES: tuple[tuple[Method, Callable[[Sequence[CallRecord], Any], CallRecord | str]], ...] = (

@@ -6,8 +6,10 @@ it.  The ledger shares the store's fences: a retired capture key refuses later c
 failures, and its manifest is refused (Gym answers 410) until ``delete`` or ``forget``.
 
 It also resolves admissions the way Gym's lineage resolver does: the request's
-model-authored items (``assistant_fingerprint``) must equal the conversation, request plus
-response, of exactly one committed row; that row is the parent.
+model-authored items (``assistant_fingerprint``, Gym's version 2) must equal the
+conversation, request plus response, of exactly one committed row whose request is, unchanged,
+the start of this request (``conversation_digest`` over every item, user and tool turns
+included); that row is the parent.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from store.log.events import EventKind, FailureBody, LedgerRecordBody
 from store.projections.fold import LEDGER_PREFIX, ROLLOUT_COLUMNS, Event, RolloutState
 from store.queries.integrity import verified_event
 from store.queries.reads import Reader
-from store.rebuild.terminal import UnfingerprintableError, assistant_fingerprint, select_terminal_call
+from store.rebuild.fingerprint import UnfingerprintableError, conversation_digest
+from store.rebuild.terminal import ASSISTANT_FINGERPRINT_VERSION, assistant_fingerprint, select_terminal_call
 from store.retention import ids, removal
 from store.retention.reasons import UNRESOLVED_PARENT
 from store.wire.codec import from_json, to_json
@@ -96,7 +99,9 @@ class CaptureLedger:
             tx.check_fence(rollout_id)
             existing = _recorded(tx, rollout_id, stream)
             if existing is not None:
-                if existing != payload:
+                # Compared as records, not bytes: a commit recorded before empty extension
+                # fields were left out of the JSON ("capture_key":null) is the same commit.
+                if existing != payload and from_json(existing, CaptureLedgerCommit) != commit:
                     raise LedgerConflictError(
                         f"the ledger of {rollout_id!r} already holds a different commit for call {call_id!r}"
                     )
@@ -176,9 +181,12 @@ class CaptureLedger:
 
         No model-authored item in the request: a text root.  An empty ledger: a text root
         too (the history was seeded, not generated here).  Exactly one committed row whose
-        conversation fingerprint equals the request's: a ``token_in`` admission continuing
-        it (its staging chain, length and chain hash).  Otherwise (no match, or siblings that
-        match alike) the call is poisoned with ``unresolved_parent``, never made a new root.
+        conversation fingerprint equals the request's (a row stamped with fingerprint version 2,
+        ``ASSISTANT_FINGERPRINT_VERSION``, as Gym writes them), and whose own request items begin this
+        request unchanged (a rewritten, dropped or summarized turn breaks it): a ``token_in``
+        admission continuing it (its staging chain, length and chain hash).  Otherwise (no
+        match, siblings that match alike, or a changed context) the call is poisoned with
+        ``unresolved_parent``, never made a new root -- as Gym's ``FileLineageStore`` decides.
         """
         arguments.stream(rollout_id, model_call_id)
         fingerprint = _fingerprint(_items("request_items", request_items))
@@ -190,8 +198,12 @@ class CaptureLedger:
         if not committed and not failures:
             return LedgerAdmission(text_root)
         failed = {failure.model_call_id for failure in failures}
-        matches = [row for row in committed if row.fingerprint == fingerprint and row.model_call_id not in failed]
-        if len(matches) != 1:
+        matches = [
+            row
+            for row in committed
+            if row.model_call_id not in failed and _stamped(row) and _conversation(row) == fingerprint
+        ]
+        if len(matches) != 1 or not _begins(list(request_items), matches[0]):
             self.record_failure(rollout_id, model_call_id, UNRESOLVED_PARENT)
             return LedgerAdmission(None, UNRESOLVED_PARENT)
         commit = matches[0].commit
@@ -282,6 +294,33 @@ def _recorded(tx: WriteTransaction, rollout_id: str, stream: str) -> bytes | Non
 
 def _failures(tx: WriteTransaction, rollout_id: str, stream: str) -> set[str]:
     return {body.reason for kind, body in tx.stream_bodies(rollout_id, stream) if kind is EventKind.LEDGER_FAILED}
+
+
+def _stamped(row: _Row) -> bool:
+    """Whether the row's ``CallRecord`` is stamped with the current fingerprint version: as in
+    Gym, a row of another version (0: none recorded) never resolves a parent."""
+    assert row.commit is not None
+    return row.commit.record.fingerprint_version == ASSISTANT_FINGERPRINT_VERSION
+
+
+def _conversation(row: _Row) -> str | None:
+    """The committed row's conversation fingerprint, from its commit's items (version 2; the
+    event's stored fingerprint of a row recorded before version 2 is version 1's)."""
+    assert row.commit is not None
+    return _fingerprint([*row.commit.request_items, *row.commit.response_items], strict=False)
+
+
+def _begins(request: list[Mapping[str, Any]], row: _Row) -> bool:
+    """Whether the row's request items are, unchanged, the first items of ``request`` (Gym's
+    context check: ``conversation_digest`` over every turn, user and tool turns included)."""
+    assert row.commit is not None
+    context = row.commit.request_items
+    if len(request) < len(context):
+        return False
+    try:
+        return conversation_digest(request[: len(context)]) == conversation_digest(context)
+    except (UnfingerprintableError, TypeError, RecursionError):
+        return False
 
 
 def _fingerprint(items: Sequence[Any], *, strict: bool = True) -> str | None:

@@ -28,12 +28,62 @@ _MSGPACK_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def to_json(record: msgspec.Struct) -> bytes:
-    """Encode a record as JSON with Gym's field names."""
-    return _encode(_JSON_ENCODER, record)
+    """Encode a record as JSON with Gym's field names (fields NeMo Gym 0.7.0 does not know
+    are written only when they carry something: see ``_OMITTED_WHEN_EMPTY``)."""
+    return _encode(_JSON_ENCODER, _lean(record))
 
 
 def to_msgpack(record: msgspec.Struct) -> bytes:
-    return _encode(_MSGPACK_ENCODER, record)
+    return _encode(_MSGPACK_ENCODER, _lean(record))
+
+
+# The store's fields beyond NeMo Gym 0.7.0's models (which forbid unknown fields): written
+# only when they carry something, so Gym's models accept every record that does not use them.
+_OMITTED_WHEN_EMPTY: dict[str, tuple[str, ...]] = {
+    "CallRecord": ("capture_key",),
+    "CaptureAdmission": ("generation_cut",),
+    "CaptureLedgerCommit": ("parent_manifest",),
+}
+# Records that hold such records (their rows are made lean too).
+_HOLDERS = frozenset({"RolloutManifest", "RolloutReceipt", "CaptureLedgerCommit"})
+
+
+def lean_builtins(record: msgspec.Struct) -> Any:
+    """The record as JSON-ready builtins (``to_json``'s fields: empty extension fields left out)."""
+    lean = _lean(record)
+    return lean if not isinstance(lean, msgspec.Struct) else msgspec.to_builtins(lean, enc_hook=_enc_hook)
+
+
+def _lean(record: Any) -> Any:
+    """``record``, or (for a record with an empty extension field) its builtins without it."""
+    name = type(record).__name__
+    if name not in _OMITTED_WHEN_EMPTY and name not in _HOLDERS:
+        return record
+    try:
+        return _lean_builtins(record)
+    except (TypeError, ValueError, NotImplementedError, RecursionError, msgspec.EncodeError):
+        return record  # let the encoder name the problem
+
+
+def _lean_builtins(record: Any) -> Any:
+    if not isinstance(record, msgspec.Struct):
+        return record
+    name = type(record).__name__
+    omitted = _OMITTED_WHEN_EMPTY.get(name, ())
+    if not omitted and name not in _HOLDERS:
+        return msgspec.to_builtins(record, enc_hook=_enc_hook)
+    out: dict[str, Any] = {}
+    for field in msgspec.structs.fields(record):
+        value = getattr(record, field.name)
+        if field.name in omitted and (value is None or value == ()):
+            continue
+        if isinstance(value, msgspec.Struct):
+            out[field.encode_name] = _lean_builtins(value)
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], msgspec.Struct):
+            out[field.encode_name] = [_lean_builtins(item) for item in value]
+        else:
+            out[field.encode_name] = msgspec.to_builtins(value, enc_hook=_enc_hook)
+    return out
 
 
 # What an encoder raises for a value it cannot write: text that is not Unicode, an int

@@ -31,9 +31,11 @@ STAGING_DIGEST_VERSION = 2
 EXTRAS_DIGEST_VERSION = 1
 CAPTURE_MODES = ("text", "token_in")
 # How deeply extras may nest: the extras mapping is level 1, each list or dict inside adds one.
-# Deeper extras, and extras that contain themselves, are refused wherever they enter, so every
-# acknowledged record decodes and re-hashes far below Python's recursion limit.
-EXTRAS_MAX_DEPTH: Final = 32
+# 255 is the deepest NeMo Gym 0.7.0 can write out (pydantic's JSON serializer refuses deeper),
+# so every record Gym writes is storable.  Deeper extras, and extras that contain themselves,
+# are refused wherever they enter, so every acknowledged record decodes and re-hashes in a
+# bounded stack, well below Python's recursion limit.
+EXTRAS_MAX_DEPTH: Final = 255
 
 _U64_MAX = 2**64 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -81,6 +83,13 @@ def _present_digest(value: Any, name: str) -> bytes:
 
 
 # --- chain and cumulative hashes (2.2, 2.3) --------------------------------------------
+
+
+def encode_token_ids(token_ids: Any) -> bytes:
+    """IDS(ids): the count, then each id, as big-endian u64 (the bytes the chain and cumulative
+    hashes hash; NeMo Gym's function of the same name)."""
+    ids = TokenIds.coerce(token_ids, "token ids")
+    return _PACK_U64(len(ids)) + bytes(ids.big_endian().data)
 
 
 def hash_token_ids(token_ids: Any) -> str:

@@ -256,6 +256,10 @@ def default_staging_key(rollout_id: str, model_call_id: str) -> str:
     return f"{rollout_id}/{model_call_id}"
 
 
+# NeMo Gym's name: the default key, ``{rollout_id}/{model_call_id}`` (InvalidRecordError, a
+# ValueError, if either is empty).
+staging_key = default_staging_key
+
 R = TypeVar("R", bound="StagedCallRecord")
 
 
@@ -413,6 +417,7 @@ class StageResult(_Wire, frozen=True, kw_only=True):
 
 
 Disposition = Literal["staged", "capture_failed"]
+CaptureDisposition = Disposition  # NeMo Gym's name
 _STAGED_PAYLOAD = ("digest", "extras_digest", "staging_key", "chain_hash", "cumulative_hash")
 
 
