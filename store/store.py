@@ -353,6 +353,7 @@ class Store(LogShipping, DurabilityDomain):
         if not isinstance(record, StagedCallRecord):
             raise InvalidRecordError(f"stage() takes a StagedCallRecord, got {type(record).__name__}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
+        arguments.ids("the record's id", rollout_id, model_call_id, record.parent_call_id)
         kind = arguments.record_kind(kind)
         key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, staging_key, kind)
         arguments.extras(record.extras, record.extras_digest)
@@ -532,7 +533,7 @@ class Store(LogShipping, DurabilityDomain):
     @operation
     def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         arguments.stream(rollout_id, model_call_id)
-        body = FailureBody(reason=arguments.text("reason", reason, empty=True))
+        body = FailureBody(reason=arguments.text("reason", reason, empty=True, free=True))
         event = NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)
 
@@ -546,7 +547,7 @@ class Store(LogShipping, DurabilityDomain):
         """
         arguments.stream(rollout_id, model_call_id)
         wanted = list(dict.fromkeys(arguments.texts("clear_keys() keys", keys)))
-        reason = arguments.text("reason", reason, empty=True)
+        reason = arguments.text("reason", reason, empty=True, free=True)
         for key in wanted:
             arguments.clearable_key(rollout_id, model_call_id, key)
 
