@@ -450,3 +450,31 @@ def test_the_server_watches_each_connection_as_the_client_does(cluster: Cluster)
         str(round(limits.tcp_user_timeout * 1000)),
     )
     assert tuple(row) == expected
+
+
+def test_the_lock_a_waiting_writer_takes_is_held_until_its_transaction_ends(cluster: Cluster) -> None:
+    """``store_write_lock`` takes the lock inside a subtransaction of its own (each look is one):
+    the lock must stay with the writer's transaction once it returns, not end with the
+    subtransaction -- else two writers would append at once."""
+    open_store(cluster.url()).close()  # migrated: the function exists
+    lock = write_lock_id(None)
+    with (
+        psycopg.connect(cluster.conninfo()) as first,
+        psycopg.connect(cluster.conninfo()) as second,
+        psycopg.connect(cluster.conninfo(), autocommit=True) as third,
+    ):
+        first.execute(f"SELECT pg_advisory_xact_lock({lock})")
+        waited: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: waited.append(second.execute(f"SELECT store_write_lock({lock}, 5000, 5000, 200)").fetchone())
+        )
+        waiter.start()
+        time.sleep(0.7)  # a few looks: each a subtransaction that timed out
+        first.commit()
+        waiter.join(10)
+        assert waited == [(True,)]
+        assert third.execute(f"SELECT pg_try_advisory_xact_lock({lock})").fetchone() == (False,)
+        [[timeout]] = second.execute("SELECT current_setting('lock_timeout')").fetchall()
+        assert timeout == "5s"  # its whole wait again, not the last look's slice
+        second.commit()
+        assert third.execute(f"SELECT pg_try_advisory_xact_lock({lock})").fetchone() == (True,)
