@@ -9,6 +9,7 @@ SIGKILLed -- and checks what a writer sees and how long it waits.  The limits ar
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
@@ -478,3 +479,14 @@ def test_the_lock_a_waiting_writer_takes_is_held_until_its_transaction_ends(clus
         assert timeout == "5s"  # its whole wait again, not the last look's slice
         second.commit()
         assert third.execute(f"SELECT pg_try_advisory_xact_lock({lock})").fetchone() == (True,)
+
+
+def test_the_migration_reads_the_lease_mark_the_write_path_writes() -> None:
+    """Migration 0010 does not import the library: its copy of the lease mark's tag must match."""
+    path = Path(__file__).resolve().parents[1] / "migrations" / "versions" / "0010_write_lock_lease.py"
+    spec = importlib.util.spec_from_file_location("migration_0010", path)
+    assert spec is not None and spec.loader is not None
+    migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migration)
+    assert migration.LEASE_TAG == postgres_module.LEASE_TAG
+    assert f"= {postgres_module.LEASE_TAG}" in migration._FUNCTION
