@@ -28,15 +28,33 @@ _I64_MIN = -(2**63)
 _RESERVED = GENERATION_CUT_KEY_PREFIX + "/"
 
 
-def text(name: str, value: Any, *, empty: bool = False) -> str:
-    """A string the store can write (UTF-8, so no lone surrogates); non-empty unless ``empty``."""
+def text(name: str, value: Any, *, empty: bool = False, free: bool = False) -> str:
+    """A string the store can write (UTF-8, so no lone surrogates); non-empty unless ``empty``.
+    An id or key (every text but a ``free`` one: a reason, kept in its event's body) holds no NUL
+    character: PostgreSQL cannot store one in a text column, so both backends refuse it alike."""
     if not isinstance(value, str) or not (value or empty):
         raise InvalidRecordError(f"{name} must be a {'' if empty else 'non-empty '}string, got {_shown(value)}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRecordError(f"{name} is not valid Unicode text ({exc.reason} at position {exc.start})") from None
+    if not free and "\x00" in value:
+        raise nul_refusal(name, value)
     return value
+
+
+def nul_refusal(name: str, value: str) -> InvalidRecordError:
+    return InvalidRecordError(
+        f"{name} holds a NUL character at position {value.index(chr(0))}, which no id or key may "
+        f"(PostgreSQL cannot store one in text; every backend refuses it); got {_shown(value)}"
+    )
+
+
+def ids(name: str, *values: str | None) -> None:
+    """Ids a wire record checked already (non-empty UTF-8 strings, or None): no NUL in any."""
+    for value in values:
+        if value is not None and "\x00" in value:
+            raise nul_refusal(name, value)
 
 
 def optional_text(name: str, value: Any) -> str | None:
@@ -44,10 +62,11 @@ def optional_text(name: str, value: Any) -> str | None:
 
 
 def texts(name: str, values: Any) -> list[str]:
-    """A list or tuple of non-empty strings (a single string is refused, not split into characters)."""
+    """A list or tuple of non-empty strings, ids or keys (a single string is refused, not split
+    into characters)."""
     if not isinstance(values, (list, tuple)):
         raise InvalidRecordError(f"{name} must be a list of strings, got {type(values).__name__}")
-    if plain_texts(values):
+    if plain_texts(values) and not any("\x00" in value for value in values):
         return list(values)
     return [text(f"{name} entry", value) for value in values]
 

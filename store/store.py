@@ -386,6 +386,7 @@ class Store(LogShipping, DurabilityDomain):
             kind_of = f"{type(record).__module__}.{type(record).__qualname__}"
             raise InvalidRecordError(f"a StageEntry holds the store's StagedCallRecord, got {kind_of}")
         rollout_id, model_call_id = record.rollout_id, record.model_call_id
+        arguments.ids("the record's id", rollout_id, model_call_id, record.parent_call_id)
         kind = arguments.record_kind(kind)
         key = arguments.staging_key(rollout_id, model_call_id, record.staging_key, staging_key, kind)
         arguments.extras(record.extras, record.extras_digest)
@@ -578,7 +579,7 @@ class Store(LogShipping, DurabilityDomain):
     @operation
     def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         arguments.stream(rollout_id, model_call_id)
-        body = FailureBody(reason=arguments.text("reason", reason, empty=True))
+        body = FailureBody(reason=arguments.text("reason", reason, empty=True, free=True))
         event = NewEvent(EventKind.CALL_FAILED, rollout_id, model_call_id, body)
         self._log.write(lambda tx: tx.append(event), durable=False)
 
@@ -592,7 +593,7 @@ class Store(LogShipping, DurabilityDomain):
         """
         arguments.stream(rollout_id, model_call_id)
         wanted = list(dict.fromkeys(arguments.texts("clear_keys() keys", keys)))
-        reason = arguments.text("reason", reason, empty=True)
+        reason = arguments.text("reason", reason, empty=True, free=True)
         for key in wanted:
             arguments.clearable_key(rollout_id, model_call_id, key)
 

@@ -55,10 +55,10 @@ class Host:
         """The root namespace's address as this host sees it (where the replica listens)."""
         return f"10.77.{100 + self.index}.1"
 
-    def spawn(self, args: Sequence[str]) -> subprocess.Popen[str]:
-        """``python tests/host_worker.py ARGS`` in this host's namespace."""
+    def spawn(self, args: Sequence[str], worker: Path = WORKER) -> subprocess.Popen[str]:
+        """``python tests/host_worker.py ARGS`` (or another ``worker`` program) in this host's namespace."""
         process = subprocess.Popen(
-            ["ip", "netns", "exec", self.name, sys.executable, str(WORKER), *args],
+            ["ip", "netns", "exec", self.name, sys.executable, str(worker), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -104,6 +104,11 @@ class Hosts:
 
     def mend(self, host: Host) -> None:
         _ip("link", "set", host.root_link, "up")
+
+    def unplug(self, host: Host) -> None:
+        """The host's network vanishes (its link deleted, both ends), its processes still running:
+        nothing it sends arrives, and nothing -- no FIN, no RST -- will when they die."""
+        _ip("link", "del", host.root_link, check=False)
 
     def destroy(self, host: Host) -> None:
         """The host is lost: its processes killed at once, its disk and its network gone."""

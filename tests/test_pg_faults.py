@@ -9,12 +9,14 @@ SIGKILLed -- and checks what a writer sees and how long it waits.  The limits ar
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lock_holder
 import pg_cluster
 import psycopg
 import pytest
@@ -340,3 +342,151 @@ def test_a_store_writes_on_after_a_server_restart_without_an_error(cluster: Clus
         make_record(rollout_id="after").digest
     ]
     opened.close()
+
+
+# --- a writer stuck on its client inside a pipeline or a COPY: its lease ----------------------------
+
+# A lease short enough for a test; lease + 2 * lock_check stays well under the lock timeout.
+LEASED = dataclasses.replace(SHORT, lock=5.0, statement=3.0, write_margin=1.0, read=5.0, lease=1.0, lock_check=0.25)
+
+
+def _holder_session(cluster: Cluster, lock_id: int) -> tuple[int, str, str | None] | None:
+    """The session holding the store's write lock: (pid, state, wait event), or None."""
+    rows = cluster.execute(
+        "SELECT a.pid, a.state, a.wait_event FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        f"WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = 1 "
+        f"AND l.classid = {lock_id >> 32} AND l.objid = {lock_id & 0xFFFFFFFF}"
+    )
+    return None if not rows else (int(rows[0][0]), str(rows[0][1]), rows[0][2])  # type: ignore[call-overload]
+
+
+def _alive_sessions(cluster: Cluster, pid: int) -> int:
+    return int(cluster.execute(f"SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}")[0][0])  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("place", lock_holder.PLACES)
+def test_a_writer_frozen_inside_a_pipeline_or_copy_is_ended_at_its_lease(
+    cluster: Cluster, proxy: Proxy, monkeypatch: pytest.MonkeyPatch, place: str
+) -> None:
+    """The issue's lock held for minutes: a write that took the lock and stopped inside its
+    pipeline (no Sync sent) or inside a ship's COPY leaves its session ``active`` in
+    ``ClientRead`` -- no idle-in-transaction or statement timeout ends it -- and a frozen path
+    (the proxy stops forwarding; TCP stays up, so no keepalive notices) kept it so for good:
+    every other writer got ``LockTimeoutError``.  Now the other writer ends it once its lease is
+    over and stages within lease + 2 looks, with no error; the frozen writer's record is not
+    committed."""
+    monkeypatch.setattr(postgres_module, "WAIT_LIMITS", LEASED, raising=False)
+    limits = LEASED
+    direct = open_store(cluster.url())
+    frozen = open_store(_proxied(cluster, proxy))
+    holding, release = threading.Event(), threading.Event()
+    outcome: list[BaseException | object] = []
+
+    def hold() -> None:
+        try:
+            outcome.append(lock_holder.hold_mid_write(frozen, place, holding.set, lambda: release.wait(30)))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    writer = threading.Thread(target=hold)
+    writer.start()
+    try:
+        assert holding.wait(10)
+        held = _holder_session(cluster, write_lock_id(None))
+        assert held is not None
+        pid, state, wait_event = held
+        # Mid-write with no Sync: active and waiting on its client, never "idle in transaction".
+        assert (state, wait_event) == ("active", "ClientRead"), held
+        proxy.stall()
+        started = time.monotonic()
+        assert direct.stage(make_record(rollout_id="other")).ok  # no LockTimeoutError
+        waited = time.monotonic() - started
+        assert _alive_sessions(cluster, pid) == 0, "the frozen writer's session is still there"
+    finally:
+        release.set()
+        writer.join(limits.write + 10)
+        direct.close()
+    assert not writer.is_alive()
+    [error] = outcome
+    assert isinstance(error, StorageError), error  # its connection is gone, or was cut
+    frozen.close()
+    # It took the lock just before the stall: ended about a lease later, within two looks more.
+    assert waited < limits.lease + 2 * limits.lock_check + 1.5, waited
+    assert _event_count(cluster) == 1  # the other's record; the frozen one's rolled back
+
+
+def test_a_lock_holder_that_is_not_a_store_write_is_never_ended(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is a store write's: a migration, a repair or any other session holding the lock
+    while it waits on its client (here: a psql-like session idle in its transaction) is waited
+    for, and the writer gets ``LockTimeoutError`` as before."""
+    monkeypatch.setattr(postgres_module, "WAIT_LIMITS", dataclasses.replace(LEASED, lock=2.0), raising=False)
+    opened = open_store(cluster.url())
+    with psycopg.connect(cluster.conninfo()) as holder:
+        holder.execute(f"SELECT pg_advisory_xact_lock({write_lock_id(None)})")
+        with pytest.raises(LockTimeoutError):
+            opened.stage(make_record())
+        assert holder.execute("SELECT 1").fetchone() == (1,)  # still there
+    opened.close()
+
+
+def test_the_server_watches_each_connection_as_the_client_does(cluster: Cluster) -> None:
+    """The server's end of a store's connection probes its client (TCP keepalives) and gives up on
+    unacknowledged sends as the client's end does: the session of a host that vanished ends in
+    seconds (``test_pg_host_loss.py``), not after the kernel's two hours (the server's default)."""
+    limits = postgres_module.WAIT_LIMITS
+    opened = open_store(cluster.url())
+    with opened._engine.connect() as connection:  # over TCP: the server shows the socket's values
+        row = connection.exec_driver_sql(
+            "SELECT current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_interval'), "
+            "current_setting('tcp_keepalives_count'), current_setting('tcp_user_timeout')"
+        ).one()
+        connection.rollback()
+    opened.close()
+    expected = (
+        str(limits.keepalive_idle),
+        str(limits.keepalive_interval),
+        str(limits.keepalive_count),
+        str(round(limits.tcp_user_timeout * 1000)),
+    )
+    assert tuple(row) == expected
+
+
+def test_the_lock_a_waiting_writer_takes_is_held_until_its_transaction_ends(cluster: Cluster) -> None:
+    """``store_write_lock`` takes the lock inside a subtransaction of its own (each look is one):
+    the lock must stay with the writer's transaction once it returns, not end with the
+    subtransaction -- else two writers would append at once."""
+    open_store(cluster.url()).close()  # migrated: the function exists
+    lock = write_lock_id(None)
+    with (
+        psycopg.connect(cluster.conninfo()) as first,
+        psycopg.connect(cluster.conninfo()) as second,
+        psycopg.connect(cluster.conninfo(), autocommit=True) as third,
+    ):
+        first.execute(f"SELECT pg_advisory_xact_lock({lock})")
+        waited: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: waited.append(second.execute(f"SELECT store_write_lock({lock}, 5000, 5000, 200)").fetchone())
+        )
+        waiter.start()
+        time.sleep(0.7)  # a few looks: each a subtransaction that timed out
+        first.commit()
+        waiter.join(10)
+        assert waited == [(True,)]
+        assert third.execute(f"SELECT pg_try_advisory_xact_lock({lock})").fetchone() == (False,)
+        [[timeout]] = second.execute("SELECT current_setting('lock_timeout')").fetchall()
+        assert timeout == "5s"  # its whole wait again, not the last look's slice
+        second.commit()
+        assert third.execute(f"SELECT pg_try_advisory_xact_lock({lock})").fetchone() == (True,)
+
+
+def test_the_migration_reads_the_lease_mark_the_write_path_writes() -> None:
+    """Migration 0010 does not import the library: its copy of the lease mark's tag must match."""
+    path = Path(__file__).resolve().parents[1] / "migrations" / "versions" / "0010_write_lock_lease.py"
+    spec = importlib.util.spec_from_file_location("migration_0010", path)
+    assert spec is not None and spec.loader is not None
+    migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migration)
+    assert migration.LEASE_TAG == postgres_module.LEASE_TAG
+    assert f"= {postgres_module.LEASE_TAG}" in migration._FUNCTION

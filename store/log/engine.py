@@ -108,7 +108,6 @@ def postgresql_backend(schema: str | None = None) -> Backend:
     sequence-order rule).  Stores in other schemas of the database never wait for it.
     Every setting a transaction needs is made inside it (``store.log.postgres``).
     """
-    lock = f"pg_advisory_xact_lock({write_lock_id(schema)})"
     return Backend(
         "postgresql",
         postgres.lock_sql(write_lock_id(schema)),
@@ -117,7 +116,7 @@ def postgresql_backend(schema: str | None = None) -> Backend:
         pipelined=True,
         next_seq_sql="SELECT nextval(pg_get_serial_sequence('events', 'seq'))",
         search_path_sql=postgres.search_path_sql(schema),
-        write_begin_sql=postgres.write_begin_sql(lock),
+        write_begin_sql=postgres.write_begin_sql(write_lock_id(schema)),
     )
 
 

@@ -14,7 +14,14 @@ when the open found no pooler multiplexing sessions (``multiplexed``); else none
 Every wait is bounded, on both ends (see ``WAIT_LIMITS``).  The server ends a session that
 sits idle in a write transaction (a client whose network died mid-write: its write lock is
 freed), cancels a statement that runs too long and gives up on the write lock after the
-lock timeout.  The client gives up connecting after the connect timeout, probes an idle
+lock timeout.  A write stuck on its client in the middle of a pipeline or a COPY (no Sync
+sent, so never "idle in transaction", and no timeout of the server's ends it) is ended by
+the writers waiting for its lock once its lease is over (``write_begin_sql``; migration
+0010's ``store_write_lock``).  The one session setting: the server's end of each connection
+probes its client with TCP keepalives and gives up on unacknowledged sends
+(``session_sql``), so the session of a host that vanished ends in seconds, not after the
+kernel's two hours; it is the same for every client, so it does no harm in whatever session
+a pooler lands it.  The client gives up connecting after the connect timeout, probes an idle
 connection with TCP keepalives, gives up on unacknowledged sends (``tcp_user_timeout``), and
 cuts any connection whose wait outlives its deadline (``store.log.watchdog``): a server that
 stopped answering with its kernel still acknowledging (SIGSTOP, a frozen VM) is noticed too.
@@ -23,6 +30,7 @@ stopped answering with its kernel still acknowledging (SIGSTOP, a frozen VM) is 
 from __future__ import annotations
 
 import contextlib
+import math
 import select
 import time
 from collections.abc import Callable
@@ -50,6 +58,20 @@ class WaitLimits:
     tcp_user_timeout: float = 20.0  # sent data unacknowledged this long: the connection is dropped
     read: float = 120.0  # one read statement, fetch, ping, commit or rollback (client side)
     write_margin: float = 5.0  # a write transaction's deadline beyond its lock wait and statement limits
+    # The write lock's lease: a store write that has held the lock this long and is found waiting
+    # on its client at two looks ``lock_check`` apart (same statement) is ended by a waiting writer.
+    # lease + 2 * lock_check (+ the end of the session) stays under ``lock``: the waiters get the lock.
+    lease: float = 5.0
+    lock_check: float = 1.0
+
+    @property
+    def silent_peer(self) -> float:
+        """How long after it last heard from a peer that vanished either end drops the connection
+        (idle, or waiting for it): keepalive probes start after ``keepalive_idle``, one every
+        ``keepalive_interval``, and with ``tcp_user_timeout`` set Linux drops it at the first probe
+        past that timeout (``keepalive_count`` then does not count): 22 s by default."""
+        probes = max(1, math.ceil((self.tcp_user_timeout - self.keepalive_idle) / self.keepalive_interval))
+        return self.keepalive_idle + probes * self.keepalive_interval
 
     @property
     def write(self) -> float:
@@ -87,20 +109,60 @@ def _milliseconds(seconds: float) -> str:
     return str(round(seconds * 1000))
 
 
-def write_begin_sql(lock: str) -> tuple[str, str]:
+# The lease mark's advisory lock ids: this tag in the top 16 bits, the grant time (Unix
+# milliseconds) in the 48 below.  pg_locks shows a bigint key as classid (high 32 bits) and
+# objid (low 32): the tag is ``classid >> 16``.  Migration 0010's function reads it back.
+LEASE_TAG = 0x4C45
+
+
+def write_begin_sql(lock_id: int) -> tuple[str, str]:
     """The statement after BEGIN (and the schema) of a write transaction, for a durable commit
-    and a not-durable one: it sets the transaction's limits and ``synchronous_commit`` and
-    takes the write lock (``lock``: SQL that does), evaluated left to right, so the lock wait
-    runs under the ``lock_timeout`` set before it."""
+    and a not-durable one: it sets the transaction's limits and ``synchronous_commit``, takes
+    the write lock and marks the time it was granted, evaluated left to right.
+
+    The lock: at once if no one holds it or waits for it (``pg_try_advisory_xact_lock`` fails
+    when others queue, so no one jumps the queue); else ``store_write_lock`` (migration 0010)
+    waits for it, at most the lock timeout, and each ``lock_check`` seconds looks at the
+    holder: a store write that has held it past its ``lease`` and waits on its own client (a
+    host lost or frozen mid-pipeline or mid-COPY) is ended (``pg_terminate_backend``).  The
+    mark: a shared advisory lock whose id holds the grant time (``LEASE_TAG``), which tells the
+    waiters that the holder is a store write and since when it holds the lock."""
     limits = WAIT_LIMITS
     limits_sql = (
         f"set_config('statement_timeout', '{_milliseconds(limits.statement)}', true), "
         f"set_config('idle_in_transaction_session_timeout', '{_milliseconds(limits.idle_in_transaction)}', true), "
         f"set_config('lock_timeout', '{_milliseconds(limits.lock)}', true), "
     )
+    wait = (
+        f"store_write_lock({lock_id}, {_milliseconds(limits.lock)}, "
+        f"{_milliseconds(limits.lease)}, {_milliseconds(limits.lock_check)})"
+    )
+    lock = (
+        f"CASE WHEN pg_try_advisory_xact_lock({lock_id}) THEN true ELSE {wait} END, "
+        f"pg_advisory_xact_lock_shared(({LEASE_TAG}::bigint << 48) "
+        "| (extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
+    )
     durable = f"SELECT {limits_sql}set_config('synchronous_commit', 'on', true), {lock}"
     not_durable = f"SELECT {limits_sql}set_config('synchronous_commit', 'off', true), {lock}"
     return durable, not_durable
+
+
+def session_sql(server_version: int) -> str | None:
+    """The server's end of a new connection: TCP keepalives as the client's own, and the same
+    limit on unacknowledged sends, so the session of a client whose host vanished ends
+    ``silent_peer`` seconds after it last heard from it (idle, or waiting on its client
+    mid-transaction) or ``tcp_user_timeout`` after an unacknowledged send, not after the
+    kernel's default two hours.  (Ignored by the server on a Unix socket.)  None before PostgreSQL 12,
+    which has no ``tcp_user_timeout``."""
+    if server_version < 120000:
+        return None
+    limits = WAIT_LIMITS
+    return (
+        f"SELECT set_config('tcp_keepalives_idle', '{limits.keepalive_idle}', false), "
+        f"set_config('tcp_keepalives_interval', '{limits.keepalive_interval}', false), "
+        f"set_config('tcp_keepalives_count', '{limits.keepalive_count}', false), "
+        f"set_config('tcp_user_timeout', '{_milliseconds(limits.tcp_user_timeout)}', false)"
+    )
 
 
 def lock_sql(lock_id: int) -> str:
@@ -132,6 +194,18 @@ def configure(engine: Engine, schema: str | None, *, read_only: bool) -> Session
         # Client-side: psycopg puts these in each BEGIN it sends, so no session keeps them.
         if read_only:
             dbapi_connection.read_only = True  # the server refuses any write
+        server_side = session_sql(dbapi_connection.info.server_version)
+        if server_side is not None:  # one round trip per new connection, none per transaction
+            dbapi_connection.autocommit = True
+            try:
+                with _watched(dbapi_connection):
+                    dbapi_connection.execute(server_side)
+            except dbapi_connection.Error as exc:
+                if getattr(exc, "sqlstate", None) is None:
+                    raise  # the connection broke, not a server that refuses these settings
+                # A server (or a PostgreSQL look-alike) that refuses them keeps its own.
+            finally:
+                dbapi_connection.autocommit = False
         dbapi_connection.server_cursor_factory = _bounded_server_cursor()
         dbapi_connection.prepare_threshold = PREPARE_THRESHOLD if sessions.prepared else None
 

@@ -22,9 +22,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0009"
+SCHEMA_REVISION = "0010"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008", "0009")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008", "0009", "0010")
 
 metadata = MetaData()
 

@@ -90,6 +90,7 @@ class CaptureLedger:
         if not isinstance(commit, CaptureLedgerCommit):
             raise InvalidRecordError(f"record() takes a CaptureLedgerCommit, got {type(commit).__name__}")
         rollout_id, call_id = commit.rollout_id, commit.record.model_call_id
+        arguments.ids("the ledger commit's id", rollout_id, call_id)
         payload = to_json(commit)
         conversation = [*commit.request_items, *commit.response_items]
         body = LedgerRecordBody(commit=payload, fingerprint=_fingerprint(conversation, strict=False))
@@ -134,7 +135,7 @@ class CaptureLedger:
         """A poison row: the call failed (``reason`` from the 3.10 vocabulary, or the caller's own).
         The same failure twice writes nothing."""
         arguments.stream(rollout_id, model_call_id)
-        reason = arguments.text("reason", reason)
+        reason = arguments.text("reason", reason, free=True)
         stream = LEDGER_PREFIX + model_call_id
 
         def work(tx: WriteTransaction) -> None:
