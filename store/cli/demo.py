@@ -50,8 +50,10 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, engine_
     the store is audited and exported, and every exported rollout is checked token for token
     against the same rollout decoded without a crash.
     """
+    from store.cli.opening import remember
     from store.demo.run import run_demo
 
+    remember(path)  # errors name the path as given, not resolved
     folder = Path(path).expanduser().absolute().parent
     if not folder.is_dir() and not folder.parent.is_dir():
         raise click.BadParameter(
@@ -99,9 +101,8 @@ class _steps:
     """Phase lines on stderr when it is a terminal (a spinner), silent when piped."""
 
     def __enter__(self) -> Any:
-        import sys
 
-        if not sys.stderr.isatty():
+        if not output.chatty():
             return None
         from rich.console import Console
 
