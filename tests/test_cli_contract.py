@@ -536,15 +536,17 @@ def test_errors_name_the_path_as_the_user_typed_it(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "folder").mkdir()
-    for args, said in [
-        (["audit", "nope.db"], "no store at nope.db ("),
-        (["audit", "no/such/x.db"], "the folder no/such does not exist"),
-        (["retire", "nope.db", "k"], "no store at nope.db;"),
-        (["demo", "--path", "folder"], "folder is a directory"),
-        (["compact", os.devnull], f"{os.devnull} is not a store (not a regular file)"),
+    for args, said, expected in [
+        (["audit", "nope.db"], "no store at nope.db (", 3),
+        (["audit", "no/such/x.db"], "the folder no/such does not exist", 3),
+        (["retire", "nope.db", "k"], "no store at nope.db;", 3),
+        (["demo", "--path", "folder"], "folder is a directory", 3),
+        (["compact", os.devnull], f"{os.devnull} is not a store (not a regular file)", 3),
+        (["demo", "--path", ""], "Invalid value for '--path': it is empty", 2),
+        (["export", "nope.db", "-o", ""], "Invalid value for '-o' / '--output': it is empty", 2),
     ]:
         code, out, err = run(capsys, *args)
-        assert code == 3 and out == "" and said in err, (args, err)
+        assert code == expected and out == "" and said in err, (args, err)
         assert str(tmp_path) not in err and not LEAKS.search(err), err
         assert_one_line_error(err)
 

@@ -53,6 +53,8 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, engine_
     from store.cli.opening import remember
     from store.demo.run import run_demo
 
+    if not path.strip():
+        raise click.BadParameter("it is empty; name the store file to create or add a run to", param_hint="'--path'")
     remember(path)  # errors name the path as given, not resolved
     folder = Path(path).expanduser().absolute().parent
     if not folder.is_dir() and not folder.parent.is_dir():

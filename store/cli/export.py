@@ -47,6 +47,8 @@ def export(store: str | None, target: Path | None, rollout_ids: tuple[str, ...],
     nothing and is reported.  Exit 0 when every rollout was exported, 1 otherwise (also
     for a --rollout the store does not hold).
     """
+    if target is not None and target == Path():  # -o '' (a Path of it is the current folder)
+        raise click.BadParameter("it is empty; name the file to write", param_hint="'-o' / '--output'")
     if target is not None and not target.parent.is_dir():
         raise click.BadParameter(f"the folder {target.parent} does not exist", param_hint="'-o' / '--output'")
     from store.errors import InvalidRecordError
