@@ -137,8 +137,8 @@ def cli(quiet: bool, verbose: bool) -> None:
     """A durable token staging store for RL inference workers.
 
     A command takes the store as its first argument (a SQLite path or a postgresql:// URL) or,
-    when that is left out, reads $STAGING_STORE; `demo` takes --path instead and `ship` its SRC
-    and DST.  Read commands open it read-only and never change a byte; only `migrate`, `replay
+    when that is left out, reads $STAGING_STORE (all but `demo`, which takes --path, and `ship`,
+    which takes SRC and DST).  Read commands open it read-only and never change a byte; only `migrate`, `replay
     --repair`, `ship` (its DST), `serve` (on request) and the retention commands (retire, forget,
     delete, compact) write, and only `migrate --create` creates a store.  Every command but
     `serve` has --json; the listings (rollouts, keys, versions, workers, receipts) also --jsonl,
