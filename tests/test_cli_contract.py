@@ -58,6 +58,7 @@ def test_the_demos_next_lines_run_as_printed_off_path(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "\nstore: demo-store/demo.db\n" in done.stdout and "\nexport: demo-store/demo.jsonl (" in done.stdout
     _, _, tail = done.stdout.partition("\nnext")
     heading, *lines = [line.strip() for line in tail.splitlines() if line.strip()]
     assert "is not on your PATH" in heading and f"{BIN / 'activate'}` puts it there" in heading, heading

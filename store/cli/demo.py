@@ -154,8 +154,8 @@ def _show(s: dict[str, Any]) -> None:
         *[f"  coordinator: {line}" for line in s["coordinator_log"]],
         verdict,
         *[f"  [red]-[/red] {failure}" for failure in s["failures"]],
-        f"store: {s['store']}",
-        f"export: {s['export']} (all {s['exported_rollouts']} rollouts of the store)",
+        escape(f"store: {invocation.shown_path(s['store'])}"),  # as the user would type it here
+        escape(f"export: {invocation.shown_path(s['export'])} (all {s['exported_rollouts']} rollouts of the store)"),
         f"next ({escape(hint)}):" if hint else "next:",
         *[
             escape(f"  {run} {line}")
