@@ -113,6 +113,7 @@ if TYPE_CHECKING:
         LedgerAdmission,
         receipt_from_manifest,
     )
+    from store.retention.preview import RemovalPreview
     from store.shipping import EventOrigin, ShipProblem, ShipReport
     from store.store import StageEntry, StageResults, Store, open_store
     from store.wire.codec import from_json, from_msgpack, to_json, to_msgpack
@@ -183,6 +184,7 @@ _MODULES = {
     "WORKER_RESPONSE_MISSING_COMMIT_COORDINATES": "store.retention",
     "CaptureLedger": "store.retention",
     "CompactReport": "store.retention",
+    "RemovalPreview": "store.retention.preview",
     "LedgerAdmission": "store.retention",
     "receipt_from_manifest": "store.retention",
     "LedgerConflictError": "store.errors",
@@ -335,6 +337,7 @@ __all__ = [
     "WORKER_RESPONSE_MISSING_COMMIT_COORDINATES",
     "CaptureLedger",
     "CompactReport",
+    "RemovalPreview",
     "LedgerAdmission",
     "receipt_from_manifest",
     "LedgerConflictError",
@@ -469,6 +472,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed distribution's version, read once on first use
+        from store.install import version
+
+        globals()[name] = version()
+        return globals()[name]
     module = _MODULES.get(name)
     if module is None:
         raise AttributeError(f"module 'store' has no attribute {name!r}")

@@ -56,6 +56,7 @@ from store.queries.reads import CallInfo, Reader, StagedKeyInfo, StoredChunk, St
 from store.queries.replay import ReplayReport, replay
 from store.rebuild.verify import LinearizedRollout
 from store.retention import ids as retention_ids
+from store.retention import preview as retention_preview
 from store.retention import removal
 from store.retention import retain as retention_retain
 from store.retention.compact import CompactReport
@@ -678,6 +679,14 @@ class Store(LogShipping, DurabilityDomain):
         space to the file system.  Sequence numbers are never reused."""
         keys = retention_ids.capture_keys("capture_keys", capture_keys)
         return self._log.write(lambda tx: removal.delete(tx, self._retention, keys))
+
+    @operation
+    def removal_preview(self, capture_keys: Sequence[str]) -> list[retention_preview.RemovalPreview]:
+        """What ``retire``/``forget``/``delete`` would find for each capture key, read without
+        writing (also on a read-only store): the events and records a delete would remove, their
+        stored bytes, and the fence; ``RemovalPreview.outcome(action)`` says ``removed`` or ``absent``."""
+        keys = retention_ids.capture_keys("capture_keys", capture_keys)
+        return retention_preview.removal_preview(self._reader, keys)
 
     @operation
     def retain(self, keys: Sequence[str], *, capture_keys: Sequence[str] | None = None) -> RolloutRemoval:

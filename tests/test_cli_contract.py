@@ -24,10 +24,12 @@ from click.testing import CliRunner
 from test_cli import SCRIPT, assert_one_line_error, copy, demo, folder_state, run, script
 
 from store.cli.app import COMMANDS, cli
+from store.log.schema import SCHEMA_REVISION
 
 __all__ = ["copy", "demo"]  # the fixtures, shared with tests/test_cli.py
 
 BIN = SCRIPT.parent
+REPO = Path(__file__).resolve().parents[1]
 POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
 
 
@@ -56,6 +58,7 @@ def test_the_demos_next_lines_run_as_printed_off_path(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "\nstore: demo-store/demo.db\n" in done.stdout and "\nexport: demo-store/demo.jsonl (" in done.stdout
     _, _, tail = done.stdout.partition("\nnext")
     heading, *lines = [line.strip() for line in tail.splitlines() if line.strip()]
     assert "is not on your PATH" in heading and f"{BIN / 'activate'}` puts it there" in heading, heading
@@ -318,7 +321,37 @@ def test_the_missing_postgresql_driver_names_the_extra() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 3, done.stderr
     assert_one_line_error(done.stderr)
-    assert "pip install 'staging-store[postgres]'" in done.stderr and not INTERNALS.search(done.stderr)
+    assert not INTERNALS.search(done.stderr)
+    # staging-store is not on PyPI: the line names the checkout this was installed from (issue 34)
+    assert "staging-store[postgres]" not in done.stderr, done.stderr
+    assert f"-m pip install -e '{REPO}[postgres]'" in done.stderr, done.stderr
+
+
+def test_no_line_or_document_says_pip_install_staging_store() -> None:
+    """The package is not published: nothing tells a reader to install it by name from PyPI."""
+    texts = [path for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "store").rglob("*.py")]]
+    said = [str(path) for path in texts if re.search(r"pip install '?staging-store\b", path.read_text())]
+    assert said == []
+
+
+def test_an_extra_is_named_by_the_way_this_was_installed() -> None:
+    from store.install import extra_hint, extra_requirements
+
+    assert extra_hint("http").endswith(f"-m pip install -e '{REPO}[http]'")  # this checkout, editable
+    requires = ['fastapi>=0.110; extra == "http"', 'uvicorn>=0.29; extra == "http"', "click>=8.2",
+                'staging-store[http,postgres]; extra == "test"', 'pytest>=8; extra == "test"']  # fmt: skip
+    assert extra_requirements(requires, "http") == ["fastapi>=0.110", "uvicorn>=0.29"]
+    assert extra_requirements(requires, "test") == ["pytest>=8"]
+
+
+def test_store_has_a_version() -> None:
+    import importlib.metadata
+
+    import store
+
+    assert store.__version__ == importlib.metadata.version("staging-store") == "0.1.0"
+    done = script("--version")
+    assert done.stdout.strip() == f"staging-store {store.__version__}"
 
 
 def test_a_postgresql_message_keeps_the_schema_it_names(capsys: Any, request: pytest.FixtureRequest) -> None:
@@ -492,3 +525,304 @@ def test_read_commands_change_neither_the_database_nor_its_wal_while_a_writer_ha
         code, _, _ = run(capsys, "export", str(copy), "-o", os.devnull)
         assert code == 0
         assert {path.name: path.read_bytes() for path in files} == before
+
+
+# --- issue 34: messages in the user's words ------------------------------------------------------
+
+LEAKS = re.compile(r"\(\w*(?:Error|Exception)\)|\[Errno|\w+\(\) |fetch_chunks|export_jsonl|rollout_id must")
+
+
+def test_errors_name_the_path_as_the_user_typed_it(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    for args, said, expected in [
+        (["audit", "nope.db"], "no store at nope.db (", 3),
+        (["audit", "no/such/x.db"], "the folder no/such does not exist", 3),
+        (["retire", "nope.db", "k"], "no store at nope.db;", 3),
+        (["demo", "--path", "folder"], "folder is a directory", 3),
+        (["compact", os.devnull], f"{os.devnull} is not a store (not a regular file)", 3),
+        (["demo", "--path", ""], "Invalid value for '--path': it is empty", 2),
+        (["export", "nope.db", "-o", ""], "Invalid value for '-o' / '--output': it is empty", 2),
+    ]:
+        code, out, err = run(capsys, *args)
+        assert code == expected and out == "" and said in err, (args, err)
+        assert str(tmp_path) not in err and not LEAKS.search(err), err
+        assert_one_line_error(err)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["show", ""], ["lineage", ""], ["keys", "--rollout", ""], ["versions", "--rollout", ""],
+     ["export", "--rollout", "", "-o", os.devnull], ["receipts", "--checkpoint", ""], ["show", "r/\udcff"]],
+    ids=["show", "lineage", "keys", "versions", "export", "receipts", "not-utf8"],
+)  # fmt: skip
+def test_an_empty_or_undecodable_name_is_bad_usage_in_the_users_words(
+    args: list[str], demo: tuple[Path, dict[str, Any]], capsys: Any
+) -> None:
+    code, out, err = run(capsys, args[0], str(demo[0]), *args[1:])
+    assert code == 2 and out == "" and not LEAKS.search(err), err
+    assert "empty" in err or "not UTF-8" in err, err
+    assert_one_line_error(err)
+
+
+def test_a_file_the_command_cannot_read_or_write_is_named_with_the_reason(
+    demo: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any
+) -> None:
+    store = str(demo[0])
+    code, _, err = run(capsys, "export", store, "-o", "/dev/full")
+    assert code == 3 and "cannot write the export to /dev/full: no space left on device" in err, err
+    code, _, err = run(capsys, "export", store, "-o", "/proc/no-such.jsonl")
+    assert code == 2 and "cannot write the export to /proc/no-such.jsonl (-o): " in err, err
+    code, _, err = run(capsys, "delete", store, "--from-file", str(tmp_path / "missing.txt"))
+    assert code == 2 and f"from {tmp_path / 'missing.txt'}: no such file or directory" in err, err
+    for text in (err,):
+        assert not LEAKS.search(text), text
+
+
+def test_an_unreachable_postgresql_server_gets_a_reason_and_no_type_name(capsys: Any) -> None:
+    pytest.importorskip("psycopg")
+    code, _, err = run(capsys, "audit", "postgresql://someone@127.0.0.1:1/nothing?schema=team_a")
+    assert code == 3 and "connection refused" in err and not LEAKS.search(err), err
+    assert "postgresql://someone@127.0.0.1:1/nothing" in err
+    assert_one_line_error(err)
+
+
+def test_a_postgresql_message_keeps_the_schema_and_the_reason(capsys: Any) -> None:
+    if POSTGRES_URL is None:
+        pytest.skip("STORE_TEST_POSTGRES_URL is not set")
+    from sqlalchemy.engine import make_url
+
+    server = make_url(POSTGRES_URL)
+    missing = server.set(database="no_such_database_34").render_as_string(hide_password=False)
+    code, _, err = run(capsys, "rollouts", f"{missing}?schema=team_a")
+    assert code == 3 and "no_such_database_34?schema=team_a" in err, err
+    assert "CREATE DATABASE no_such_database_34" in err and not LEAKS.search(err), err
+    code, _, err = run(capsys, "audit", f"{POSTGRES_URL}?sslmode=disable&bogus=1")
+    assert code == 3 and "option bogus" in err and not LEAKS.search(err), err
+
+
+def test_the_transformers_demo_without_torch_creates_nothing(tmp_path: Path) -> None:
+    probe = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if torch were not installed\n"
+        "from store.cli import main\n"
+        "sys.exit(main(['demo', '--engine', 'transformers', '--path', 'demo-store/demo.db']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert_one_line_error(done.stderr)
+    assert "torch" in done.stderr and "nothing was created" in done.stderr and "DemoError" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- issue 34: repeated options, several values or a clear refusal ---------------------------------
+
+
+def test_a_repeatable_rollout_option_takes_every_value(demo: tuple[Path, dict[str, Any]], capsys: Any) -> None:
+    store = str(demo[0])
+    one = {
+        key["staging_key"]
+        for key in json.loads(run(capsys, "keys", store, "--rollout", "run1-r0", "--json")[1])["keys"]
+    }
+    two = {
+        key["staging_key"]
+        for key in json.loads(run(capsys, "keys", store, "--rollout", "run1-r1", "--json")[1])["keys"]
+    }
+    code, out, _ = run(capsys, "keys", store, "--rollout", "run1-r0", "--rollout", "run1-r1", "--json")
+    both = [key["staging_key"] for key in json.loads(out)["keys"]]
+    assert code == 0 and set(both) == one | two and both == sorted(both) and one and two
+    code, out, _ = run(capsys, "versions", store, "--rollout", "run1-r1", "--rollout", "run1-r0", "--json")
+    assert code == 0 and [r["rollout_id"] for r in json.loads(out)["rollouts"]] == ["run1-r0", "run1-r1"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["keys", "--limit", "1", "--limit", "2"], ["receipts", "--rollout", "run1-r0", "--rollout=run1-r1"],
+     ["receipts", "--checkpoint", "a", "--checkpoint", "b"], ["export", "-o", "a.jsonl", "--output", "b.jsonl"],
+     ["keys", "--json", "--csv"]],
+    ids=["limit", "rollout", "checkpoint", "output", "formats"],
+)  # fmt: skip
+def test_an_option_of_one_value_given_twice_is_refused(
+    args: list[str], demo: tuple[Path, dict[str, Any]], capsys: Any
+) -> None:
+    code, out, err = run(capsys, args[0], str(demo[0]), *args[1:])
+    assert code == 2 and out == "" and ("given twice" in err or "give one" in err), err
+    assert_one_line_error(err)
+
+
+# --- issue 34: look before you delete ------------------------------------------------------------
+
+
+def test_rollouts_show_fences_and_list_the_fenced_attempts_to_delete(copy: Path, capsys: Any) -> None:
+    code, out, _ = run(capsys, "rollouts", str(copy))
+    header = out.splitlines()[1].split()
+    assert code == 0 and header[-1] == "fenced" and "run1-r0  " in out
+    code, out, _ = run(capsys, "rollouts", str(copy), "--fenced", "--capture-keys")
+    assert code == 0 and out.splitlines() == ["run1-r0", "run1-r1", "run1-r2"]  # the dead attempts the demo retired
+    keys_file = copy.parent / "dead.txt"
+    keys_file.write_text(out)
+    before = folder_state(copy.parent)
+    code, out, err = run(capsys, "delete", str(copy), "--from-file", str(keys_file), "--dry-run", "--json")
+    shaped = json.loads(out)
+    assert code == 0 and shaped["dry_run"] and shaped["removed"] == ["run1-r0", "run1-r1", "run1-r2"], err
+    assert all(row["fenced"] and row["events"] > 0 and row["records"] > 0 for row in shaped["keys"])
+    code, out, _ = run(capsys, "delete", str(copy), "--from-file", str(keys_file), "--dry-run")
+    assert code == 0 and "3 capture key(s) would be deleted" in out and "nothing was written" in out
+    code, out, _ = run(capsys, "retire", str(copy), "run1-r0-a1", "no-such", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["absent"] == ["no-such"]
+    code, _, _ = run(capsys, "forget", str(copy), "no-such", "--dry-run")
+    assert code == 1  # as forget itself would exit
+    assert folder_state(copy.parent) == before  # a dry run writes nothing
+    code, out, _ = run(capsys, "delete", str(copy), "--from-file", str(keys_file), "--json")
+    assert code == 0 and json.loads(out)["removed"] == shaped["removed"]
+    code, out, _ = run(capsys, "rollouts", str(copy), "--fenced", "--capture-keys")
+    assert (code, out) == (0, "")
+
+
+# --- issue 34: listings as JSON Lines, CSV, TSV, limited, sorted ------------------------------------
+
+
+@pytest.mark.parametrize("command", ["rollouts", "keys", "versions", "workers", "receipts"])
+def test_every_listing_streams_as_json_lines_csv_and_tsv(
+    command: str, demo: tuple[Path, dict[str, Any]], capsys: Any
+) -> None:
+    import csv
+    import io
+
+    store = str(demo[0])
+    code, out, _ = run(capsys, command, store, "--jsonl")
+    lines = [json.loads(line) for line in out.splitlines()]  # every line parses
+    assert code == 0 and lines
+    code, out, _ = run(capsys, command, store, "--jsonl", "--limit", "1")
+    assert code == 0 and len(out.splitlines()) == 1 and json.loads(out) == lines[0]
+    for flag, delimiter in (("--csv", ","), ("--tsv", "\t")):
+        code, out, _ = run(capsys, command, store, flag)
+        table = list(csv.reader(io.StringIO(out), delimiter=delimiter))
+        assert code == 0 and len(table) >= 2 and all(len(row) == len(table[0]) for row in table), out
+    if command != "receipts":  # receipts' CSV is one row per acknowledgement, its JSON one per receipt
+        document = json.loads(run(capsys, command, store, "--json")[1])
+        listed = next(value for value in document.values() if isinstance(value, list))
+        assert listed == lines
+
+
+def test_versions_lists_rollouts_sorted(copy: Path, capsys: Any) -> None:
+    from factories import make_record
+
+    from store import open_store
+
+    with open_store(copy) as opened:
+        for name in ("zz-last", "aa-first", "mm-middle"):
+            opened.stage(make_record(rollout_id=name, model_call_id="c0"))
+    code, out, _ = run(capsys, "versions", str(copy), "--json")
+    names = [row["rollout_id"] for row in json.loads(out)["rollouts"]]
+    assert code == 0 and names == sorted(names) and names[0] == "aa-first"
+
+
+# --- issue 34: help and output you can copy --------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_help_examples_are_one_line_each_at_any_width(command: str) -> None:
+    """A long example is printed whole on one line, never broken inside a token (``--from-`` / ``file``)."""
+    for width in (60, 100):
+        text = CliRunner().invoke(cli, [command, "--help"], terminal_width=width).output
+        lines = [line.strip().removeprefix("Example: ") for line in text.splitlines()]
+        for example in _examples(command):
+            assert example in lines, (width, example, text)
+
+
+def test_piped_output_is_never_wrapped(tmp_path: Path) -> None:
+    deep = tmp_path / ("a-folder-with-a-rather-long-name-" * 6) / "store.db"
+    deep.parent.mkdir()
+    done = script("migrate", str(deep), "--create")
+    assert done.returncode == 0, done.stderr
+    done = script("compact", str(deep))  # one sentence naming the path, well over 160 columns
+    [line] = done.stdout.splitlines()
+    assert done.returncode == 0 and len(line) > 200 and line.startswith(f"{deep}: "), done.stdout
+
+
+def test_the_top_level_help_claims_only_what_holds() -> None:
+    """The top-level help names the commands without --json and those that do not read $STAGING_STORE
+    (it said every command has --json and reads it; serve and ship do not).  A new command that
+    differs must be named there too."""
+    text = " ".join(CliRunner().invoke(cli, ["--help"]).output.split())
+    no_json = re.search(r"Every command but (.+?) has --json", text)
+    no_env = re.search(r"reads \$STAGING_STORE \(all but (.+?)\)\.", text)
+    assert no_json is not None and no_env is not None, text
+    said_no_json = set(re.findall(r"`([\w-]+)`", no_json[1]))
+    said_no_env = set(re.findall(r"`([\w-]+)`", no_env[1]))
+    without_json, without_env = set(), set()
+    for command in COMMANDS:
+        params = cli.get_command(None, command).params  # type: ignore[arg-type, union-attr]
+        if not any("--json" in param.opts for param in params):
+            without_json.add(command)
+        if not {"store", "arguments"} & {param.name for param in params}:
+            without_env.add(command)
+    assert (said_no_json, said_no_env) == (without_json, without_env), text
+    assert without_json >= {"serve"} and without_env >= {"demo", "ship"}
+
+
+def test_quiet_and_verbose(demo: tuple[Path, dict[str, Any]], capsys: Any) -> None:
+    code, out, err = run(capsys, "-q", "export", str(demo[0]))
+    assert code == 0 and out and err == ""  # the report beside the lines on stdout is left out
+    code, out, err = run(capsys, "export", str(demo[0]))
+    assert code == 0 and err.startswith("exported ")
+    pytest.importorskip("psycopg")
+    code, _, err = run(capsys, "-v", "audit", "postgresql://someone@127.0.0.1:1/nothing")
+    first, *causes = err.splitlines()
+    assert code == 3 and first.startswith("staging-store: error: ") and causes, err
+    assert all(line.startswith("  caused by ") for line in causes) and "Connection refused" in err
+    code, _, err = run(capsys, "audit", "postgresql://someone@127.0.0.1:1/nothing")
+    assert len(err.splitlines()) == 1  # without -v: one line
+
+
+# --- issue 34: migrate looks before it writes ------------------------------------------------------
+
+
+def test_migrate_check_only_looks(copy: Path, tmp_path: Path, capsys: Any) -> None:
+    before = folder_state(copy.parent)
+    code, out, _ = run(capsys, "migrate", str(copy), "--check", "--json")
+    assert code == 0 and json.loads(out) == {
+        "store": str(copy), "revision": SCHEMA_REVISION, "library_revision": SCHEMA_REVISION, "pending": []
+    }  # fmt: skip
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    code, out, _ = run(capsys, "migrate", str(empty), "--check")
+    assert code == 1 and "pending: 0001" in out and empty.stat().st_size == 0
+    assert run(capsys, "migrate", str(copy), "--check", "--create")[0] == 2
+    assert folder_state(copy.parent) == before
+
+
+def test_migrate_of_an_up_to_date_store_never_opens_it_for_writing(
+    copy: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only, up-to-date store said "permission denied": migrate opened it writable to do nothing."""
+    import store.store
+
+    opened = store.store.open_store
+
+    def read_only_only(*args: Any, **kwargs: Any) -> Any:
+        assert kwargs.get("read_only"), "migrate opened an up-to-date store for writing"
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(store.store, "open_store", read_only_only)
+    before = folder_state(copy.parent)
+    code, out, err = run(capsys, "migrate", str(copy))
+    assert code == 0 and "nothing to do" in out, err
+    assert folder_state(copy.parent) == before
+
+
+def test_shell_completion_works_as_documented() -> None:
+    """docs/cli.md's completion lines: click's completion of commands and of a command's options."""
+    text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert 'eval "$(_STAGING_STORE_COMPLETE=bash_source staging-store)"' in text
+    done = script(env={**os.environ, "_STAGING_STORE_COMPLETE": "bash_source"})
+    assert done.returncode == 0 and "_staging_store_completion()" in done.stdout
+    asked = {**os.environ, "_STAGING_STORE_COMPLETE": "bash_complete"}
+    done = script(env={**asked, "COMP_WORDS": "staging-store del", "COMP_CWORD": "1"})
+    assert done.stdout.split() == ["plain,delete"]
+    done = script(env={**asked, "COMP_WORDS": "staging-store rollouts --fe", "COMP_CWORD": "2"})
+    assert done.stdout.split() == ["plain,--fenced"]
+    assert "NO_COLOR" in text

@@ -1,15 +1,17 @@
 """README.md and docs/*.md stay true: every example runs as written, every link lands, and
 every public name and command is documented.
 
-* Every ```python block is a complete program: it runs as its own process (``python
-  example.py``) in an empty temporary directory and must exit 0 within ``PROGRAM_TIMEOUT``.
-* Every ```sh block runs line by line, in order, with ``bash -c`` in a temporary directory
-  holding ``demo-store/``: a copy of the store that docs/cli.md's demo line (``SEED_LINE``,
-  ``staging-store demo --workers 1``) makes when run once per test run in an empty directory
-  (that line itself is checked by that run). ``staging-store`` is the one installed beside
-  this interpreter, and the directory's ``.venv`` is this interpreter's venv (so
-  ``.venv/bin/staging-store`` runs as in a checkout after ``make demo``).  A line must exit 0,
-  or the code its comment names (``...  # exits 1``).
+* Every ```python and ```sh block runs in ONE folder, as a newcomer runs the guides one after
+  another in their checkout: first every block in the documents' order, then every block again
+  in the reverse order (so each runs twice, and after every other one), each time printing what
+  it says.  The folder starts as a checkout after ``make demo``: its ``.venv`` is this
+  interpreter's venv and ``demo-store/`` is what docs/cli.md's demo line (``SEED_LINE``,
+  ``staging-store demo --workers 1``) makes in an empty folder; ``staging-store`` is the one
+  installed beside this interpreter.
+* A ```python block is a complete program: it runs as its own process (``python example.py``)
+  and must exit 0 within ``PROGRAM_TIMEOUT``.
+* A ```sh block runs line by line, in order, with ``bash -c``.  A line must exit 0, or the code
+  its comment names (``...  # exits 1``).
   ``make TARGET`` lines run as ``make -n TARGET`` in the checkout (the target exists and runs
   what it says); a ``staging-store serve`` line is started, must print its ``serving ... on
   http://HOST:PORT`` line, refuse a request without the token of its ``--token-file`` (401)
@@ -19,14 +21,15 @@ every public name and command is documented.
 
       <!-- docs-test: needs postgres; prints "2 events shipped" -->
 
-  ``needs postgres``: the program gets ``STAGING_STORE_POSTGRES_URL``, a database of its own
-  on the server of ``STORE_TEST_POSTGRES_URL`` (skipped, with the reason, when that is unset);
+  ``needs postgres``: skipped, with the reason, unless ``STORE_TEST_POSTGRES_URL`` names a
+  server; every block then gets ``STAGING_STORE_POSTGRES_URL``, one database of the run's own
+  on that server (shared by all blocks, as a reader's one database is);
   ``needs http`` / ``needs transformers``: skipped, with the reason, unless the extra imports;
   ``prints "TEXT"``: stdout must contain TEXT (repeatable; every python block has one).
   An unknown directive fails, so a typo cannot switch a check off.
 
-The blocks run in parallel (one process per CPU) in one session fixture; docs/testing.md
-describes the same rules for writers.
+The blocks run one after another in one session fixture; docs/testing.md describes the same
+rules for writers.
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
 import pytest
 
 import store
@@ -154,7 +157,7 @@ def skip_reason(block: Block) -> str | None:
                 return "needs postgres: the [postgres] extra (psycopg) is not installed"
         for module in EXTRAS.get(need, ()):
             if importlib.util.find_spec(module) is None:
-                return f"needs {need}: {module} is not installed (pip install 'staging-store[{need}]')"
+                return f"needs {need}: {module} is not installed (pip install -e '.[{need}]' in the checkout)"
     return None
 
 
@@ -282,14 +285,9 @@ def _check_serve(line: str, workdir: Path, env: dict[str, str]) -> str | None:
             server.wait()
 
 
-def _run_shell(block: Block, workdir: Path, env: dict[str, str], demo: Future[Path]) -> Outcome:
-    seed = demo.result()
-    shutil.copytree(seed / "demo-store", workdir / "demo-store")
-    (workdir / ".venv").symlink_to(VENV, target_is_directory=True)  # as `make demo` leaves a checkout
+def _run_shell(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
     outcome = Outcome()
     for line in shell_lines(block.code):
-        if shlex.split(line, comments=True) == shlex.split(SEED_LINE):
-            continue  # the seed ran exactly this line in an empty directory: the copy is its result
         if line.startswith("make "):
             problem = _check_make(line)
         elif line.startswith("staging-store serve"):
@@ -311,50 +309,53 @@ def _run_shell(block: Block, workdir: Path, env: dict[str, str], demo: Future[Pa
     return outcome
 
 
-@contextmanager
-def _database_for(block: Block) -> Iterator[dict[str, str]]:
-    """The environment a block runs in: with ``needs postgres``, the URL of a database of its own."""
-    if "postgres" not in block.needs:
-        yield _env()
-        return
-    with _own_postgres_database() as url:
-        yield _env(STAGING_STORE_POSTGRES_URL=url)
-
-
-def _run(block: Block, workdir: Path, demo: Future[Path]) -> Outcome:
+def _run(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
     try:
-        with _database_for(block) as env:
-            if block.language == "python":
-                outcome = _run_python(block, workdir, env)
-            else:
-                outcome = _run_shell(block, workdir, env, demo)
+        run = _run_python if block.language == "python" else _run_shell
+        outcome = run(block, workdir, env)
     except Exception as exc:  # reported on the block's own test, not as a fixture error
         return Outcome([f"{type(exc).__name__}: {exc}"])
     outcome.failures.extend(f"stdout lacks {text!r}" for text in block.prints if text not in outcome.stdout)
     return outcome
 
 
-def _make_demo_store(seed: Path) -> Path:
+def _seed(folder: Path, env: dict[str, str]) -> None:
+    """The folder as a newcomer's checkout after ``make demo``: its ``.venv`` and the demo's store."""
+    (folder / ".venv").symlink_to(VENV, target_is_directory=True)
     done = subprocess.run(
-        ["bash", "-c", SEED_LINE], cwd=seed, env=_env(), capture_output=True, text=True, timeout=PROGRAM_TIMEOUT
+        ["bash", "-c", SEED_LINE], cwd=folder, env=env, capture_output=True, text=True, timeout=PROGRAM_TIMEOUT
     )
     assert done.returncode == 0, f"{SEED_LINE!r} exited {done.returncode}:\n{done.stdout}{done.stderr}"
-    return seed
+
+
+# Every block runs twice in ONE folder, as a newcomer runs the guides one after another: first in
+# the documents' order, then in the reverse order, so each program also runs again after every
+# other one (a program that leaves a file another one reads, or that cannot run twice, fails).
+PASSES = ("in the documents' order", "again, in the reverse order")
+
+
+@contextmanager
+def _shared_env() -> Iterator[dict[str, str]]:
+    """One environment for the whole folder; with PostgreSQL, one database for every block."""
+    if not POSTGRES_URL or importlib.util.find_spec("psycopg") is None:
+        yield _env()
+        return
+    with _own_postgres_database() as url:
+        yield _env(STAGING_STORE_POSTGRES_URL=url)
 
 
 @pytest.fixture(scope="session")
-def doc_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    """Every runnable block's outcome; python blocks first, so the demo store is ready for sh."""
-    runnable = sorted(
-        (block for block in RUNNABLE if skip_reason(block) is None and not block.errors),
-        key=lambda block: block.language != "python",
-    )
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        demo = pool.submit(_make_demo_store, tmp_path_factory.mktemp("docs-demo"))
-        futures = {
-            block.id: pool.submit(_run, block, tmp_path_factory.mktemp("docs-block"), demo) for block in runnable
-        }
-        return {name: future.result() for name, future in futures.items()}
+def doc_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, Outcome]]]:
+    """Every runnable block's outcome in each pass, all in one folder."""
+    runnable = [block for block in RUNNABLE if skip_reason(block) is None and not block.errors]
+    folder = tmp_path_factory.mktemp("docs-folder")
+    outcomes: dict[str, list[tuple[str, Outcome]]] = {block.id: [] for block in runnable}
+    with _shared_env() as env:
+        _seed(folder, env)
+        for name, order in zip(PASSES, (runnable, runnable[::-1]), strict=True):
+            for block in order:
+                outcomes[block.id].append((name, _run(block, folder, env)))
+    return outcomes
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block.id for block in RUNNABLE])
@@ -363,8 +364,9 @@ def test_every_example_runs_as_written(block: Block, request: pytest.FixtureRequ
     reason = skip_reason(block)
     if reason is not None:
         pytest.skip(reason)
-    outcome: Outcome = request.getfixturevalue("doc_outcomes")[block.id]
-    assert not outcome.failures, "\n".join(outcome.failures)
+    outcomes: list[tuple[str, Outcome]] = request.getfixturevalue("doc_outcomes")[block.id]
+    failed = [f"{name}: {failure}" for name, outcome in outcomes for failure in outcome.failures]
+    assert len(outcomes) == len(PASSES) and not failed, "\n".join(failed)
 
 
 def test_the_seed_is_a_line_of_the_docs() -> None:
@@ -494,6 +496,28 @@ def test_every_cli_command_is_documented() -> None:
         assert option in part, option
     for code in ("0", "1", "2", "3", "130", "141"):
         assert f"| `{code}` |" in part, code
+
+
+def test_every_option_of_every_command_is_in_its_usage_line() -> None:
+    """docs/cli.md's usage block names every option each command takes (it once missed three of serve's)."""
+    usage = next(block.code for block in BLOCKS if block.path.name == "cli.md" and block.language == "text")
+    lines: dict[str, str] = {}
+    current = None
+    for line in usage.splitlines():
+        if line.startswith("staging-store "):
+            current = line.split()[1]
+            lines[current] = line
+        elif line.startswith(" ") and current is not None:
+            lines[current] += line
+    missing = []
+    for command in COMMANDS:
+        for param in cli.get_command(None, command).params:  # type: ignore[arg-type, union-attr]
+            named = any(re.search(rf"{re.escape(opt)}\b", lines.get(command, "")) for opt in param.opts)
+            if isinstance(param, click.Option) and "--help" not in param.opts and not named:
+                missing.append(f"{command} {param.opts[0]}")
+    assert missing == []
+    top = [opt for param in cli.params if isinstance(param, click.Option) for opt in param.opts]
+    assert "-q" in top and "-v" in top and "[-q] [-v]" in lines["[-q]"]
 
 
 def test_every_public_name_loads_on_first_use() -> None:

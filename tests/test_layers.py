@@ -13,7 +13,7 @@ import store
 
 # Bottom first.  A part may import from any part on a lower line, never from its own line or above.
 LAYERS: list[set[str]] = [
-    {"errors"},
+    {"errors", "install"},
     {"wire", "failpoints", "lifecycle"},
     {"log", "rebuild"},
     {"projections", "arguments"},

@@ -164,7 +164,8 @@ def test_ship_follow_on_the_command_line_stops_cleanly_on_sigint(tmp_path: Path)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=20)
     assert process.returncode == 0, err
-    totals = json.loads(out)
+    [line] = out.splitlines()  # JSON Lines: the totals are one line too (issue 34: they were 13 pretty ones)
+    totals = json.loads(line)
     assert (totals["ok"], totals["appended"], totals["stopped"]) == (True, 3, "stopped")
 
 

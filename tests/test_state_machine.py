@@ -618,8 +618,12 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
         """Retire an attempt (as a restore does); a second retire is a no-op."""
         self.steps["retire"] += 1
         key = data.draw(st.sampled_from(self._retirable()))
+        [preview] = self.store.removal_preview([key])  # what --dry-run lists
+        assert not preview.fenced, preview
         removal = self.store.retire([key])
         assert removal.removed + removal.absent == [key]
+        assert (removal.removed == [key]) == (preview.outcome("retire") == "removed"), (preview, removal)
+        assert self.store.removal_preview([key])[0].fenced
         self.fenced.add(key)
         assert self.store.retire([key]).removed + self.store.retire([key]).absent == [key]
 
@@ -639,8 +643,12 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
         self.steps["delete"] += 1
         rollout = data.draw(st.sampled_from(self._deletable()))
         keys = sorted(self.attempt_keys.pop(rollout))
+        previews = self.store.removal_preview(keys)  # what --dry-run lists
+        assert [p.fenced for p in previews] == [key in self.fenced for key in keys], previews
         removal = self.store.delete(keys)
         assert sorted(removal.removed + removal.absent) == keys
+        assert sorted(removal.removed) == [p.capture_key for p in previews if p.outcome("delete") == "removed"]
+        assert all((p.events, p.fenced) == (0, False) for p in self.store.removal_preview(keys))
         assert self.store.delete(keys).absent == keys  # nothing left, no fence: absent
         for staging_key, expected in list(self.acked.items()):
             if expected.rollout_id in keys:
@@ -820,7 +828,10 @@ class StoreMachine(LifecycleRules, RuleBasedStateMachine):
         """Rollouts, call trees and policy-version views agree with what the machine finished."""
         self.steps["lineage_views"] += 1
         self.unviewed_endings = False
-        listed = {summary.rollout_id for summary in self.store.rollouts()}
+        summaries = self.store.rollouts()
+        listed = {summary.rollout_id for summary in summaries}
+        for summary in summaries:  # each rollout names exactly its retired attempts
+            assert set(summary.fenced) == set(summary.attempts) & self.fenced, summary
         stale = {(call.rollout_id, call.capture_key) for call in self.store.stale(self.version + 1, 0).calls}
         for rollout_id, (attempt, generated) in self.finished_calls.items():
             assert rollout_id in listed

@@ -38,9 +38,11 @@ try:
     import torch
     import transformers
 except ImportError as exc:  # pragma: no cover - exercised where the extra is not installed
+    from store.install import extra_hint
+
     raise ImportError(
         "store.adapters.transformers needs torch and transformers: pip install torch==2.13.0 "
-        "(or the torch build for your machine), then pip install 'staging-store[transformers]'"
+        f"(or the torch build for your machine), then {extra_hint('transformers')}"
     ) from exc
 
 _MASK64 = 2**64 - 1

@@ -11,8 +11,9 @@ from typing import Any
 
 import click
 
-from store.cli import exits
+from store.cli import exits, output
 
+VERBOSE: list[bool] = [False]  # -v of this run: an error's causes follow its line
 # Each command and where it lives (module:function); a module is imported only when its
 # command runs or its help is shown.
 COMMANDS = {
@@ -48,7 +49,16 @@ class LazyGroup(click.Group):
         module, name = target.split(":")
         command = getattr(importlib.import_module(module), name)
         assert isinstance(command, click.Command)
+        command.epilog = unwrapped_examples(command.epilog)
         return command
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None:
+            refuse_repeats(click.Context(command, parent=ctx, info_name=name), rest)
+        return name, command, rest
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -59,13 +69,53 @@ class LazyGroup(click.Group):
             raise
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+_EXAMPLE = ("staging-store ", "STAGING_STORE=", "Example: staging-store ", "cat ", "printf ")
 
-    try:
-        return version("staging-store")
-    except PackageNotFoundError:
-        return "unknown"
+
+def unwrapped_examples(epilog: str | None) -> str | None:
+    """The epilog with each example paragraph marked for click not to rewrap (its ``\\b``): a long
+    example is then printed on one line, never broken inside a token (``--from-`` / ``file``)."""
+    if not epilog:
+        return epilog
+    paragraphs = epilog.split("\n\n")
+    return "\n\n".join(
+        f"\b\n{text}" if text.strip().startswith(_EXAMPLE) and not text.startswith("\b") else text
+        for text in paragraphs
+    )
+
+
+def refuse_repeats(ctx: click.Context, args: Sequence[str]) -> None:
+    """An option that takes one value, given twice, is bad usage: click would keep the last one
+    silently (``--limit 5 --limit 2``).  Repeatable options (``--rollout`` of keys) and flags pass."""
+    single = [
+        param
+        for param in ctx.command.params
+        if isinstance(param, click.Option) and not param.multiple and not param.is_flag and not param.count
+    ]
+    seen: dict[str, str] = {}
+    for arg in args:
+        if arg == "--":
+            break
+        for param in single:
+            for opt in param.opts:
+                long = opt.startswith("--")
+                if arg == opt or (long and arg.startswith(f"{opt}=")) or (not long and arg.startswith(opt)):
+                    if param.name in seen:
+                        raise click.UsageError(
+                            f"{seen[param.name]} is given twice ({opt}); it takes one value, give it once",
+                            ctx=ctx,
+                        )
+                    seen[str(param.name)] = opt
+                    break
+            else:
+                continue
+            break
+
+
+def _version() -> str:
+    from store.install import version
+
+    return version()
 
 
 @click.group(
@@ -76,14 +126,26 @@ def _version() -> str:
     "Try: staging-store demo",
 )
 @click.version_option(_version(), "--version", "-V", prog_name="staging-store", message="%(prog)s %(version)s")
-def cli() -> None:
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars, phase lines or reports on stderr; errors still.")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="An error also prints what caused it (a database driver's own message) on the lines after it.",
+)
+def cli(quiet: bool, verbose: bool) -> None:
     """A durable token staging store for RL inference workers.
 
-    Every command takes the store as its first argument (a SQLite path or a postgresql://
-    URL) or reads $STAGING_STORE.  Read commands open it read-only and never change a byte;
-    only `migrate`, `replay --repair`, `ship` (its DST) and the retention commands (retire,
-    forget, delete, compact) write, and those never create a store.  Every command has --json.
+    A command takes the store as its first argument (a SQLite path or a postgresql:// URL) or,
+    when that is left out, reads $STAGING_STORE (all but `demo`, which takes --path, and `ship`,
+    which takes SRC and DST).  Read commands open it read-only and never change a byte; only `migrate`, `replay
+    --repair`, `ship` (its DST), `serve` (on request) and the retention commands (retire, forget,
+    delete, compact) write, and only `migrate --create` creates a store.  Every command but
+    `serve` has --json; the listings (rollouts, keys, versions, workers, receipts) also --jsonl,
+    --csv, --tsv and --limit.  NO_COLOR=1 turns colours off; shell completion: see docs/cli.md.
     """
+    output.QUIET[0] = quiet
+    VERBOSE[0] = verbose
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
+    output.QUIET[0] = VERBOSE[0] = False  # each run starts plain (tests call main() many times)
     try:
         result: Any = cli.main(
             args=list(argv) if argv is not None else None, prog_name="staging-store", standalone_mode=False
@@ -131,7 +194,9 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    sys.stderr.write(f"staging-store: error: {message}\n")
+    from store.cli.opening import in_users_words
+
+    sys.stderr.write(f"staging-store: error: {in_users_words(message)}\n")
     return code
 
 
@@ -141,10 +206,23 @@ def _unexpected(exc: Exception) -> int:
     if _caused_by_closed_pipe(exc):
         return _closed_pipe()
     if isinstance(exc, StoreError):
-        return _fail(exits.one_line(exc), exits.exit_code_for(exc))
+        code = _fail(exits.one_line(exc), exits.exit_code_for(exc))
+        if VERBOSE[0]:
+            _causes(exc)
+        return code
     if isinstance(exc, OSError):
-        return _fail(f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc), exits.UNREADABLE)
+        where = f"cannot use {exc.filename}: " if exc.filename else ""
+        return _fail(f"{where}{exits.os_reason(exc)}", exits.UNREADABLE)
     return _fail(f"unexpected {type(exc).__name__}: {exits.one_line(exc)}", exits.UNREADABLE)
+
+
+def _causes(exc: BaseException) -> None:
+    """-v: each error behind this one, as its own program said it (the driver's text included)."""
+    seen: BaseException | None = exc.__cause__ or exc.__context__
+    while seen is not None:
+        text = " ".join(str(seen).split())
+        sys.stderr.write(f"  caused by {type(seen).__name__}: {text}\n")
+        seen = seen.__cause__ or seen.__context__
 
 
 def _caused_by_closed_pipe(exc: BaseException) -> bool:

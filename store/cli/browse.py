@@ -7,21 +7,42 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from store.cli import exits, output
-from store.cli.opening import STORE_HELP, read_only, store_and, store_argument
+from store.cli.opening import STORE_HELP, checked_names, read_only, store_and, store_argument
 
 if TYPE_CHECKING:
     from store.lineage import LineageCall, RolloutLineage
     from store.queries.reads import CallInfo, StoredChunk
     from store.store import Store
 
-JSON_HELP = "Print JSON instead of a table."
+
+MATCH_HELP = "Only rollouts whose id matches this shell pattern (run1-*).  [default: every rollout]"
 
 
-@click.command(epilog=f"{STORE_HELP}\n\nExample: staging-store rollouts demo-store/demo.db")
+@click.command(
+    epilog=f"{STORE_HELP}\n\nExamples:\n\n  staging-store rollouts demo-store/demo.db\n\n"
+    "  staging-store rollouts demo-store/demo.db --fenced --capture-keys | "
+    "staging-store delete demo-store/demo.db --from-file - --dry-run",
+)
 @store_argument
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def rollouts(store: str | None, as_json: bool) -> int:
-    """List every rollout with its attempts and its calls by state (newest attempt of each call)."""
+@click.option("--fenced", is_flag=True, help="Only rollouts with a retired (fenced) attempt.  [default: every rollout]")
+@click.option("--match", "pattern", metavar="GLOB", help=MATCH_HELP)
+@click.option(
+    "--capture-keys",
+    "capture_keys",
+    is_flag=True,
+    help="Print only capture keys, one per line (with --fenced: the fenced attempts), for "
+    "`delete --from-file -`.  [default: a table]",
+)
+@output.listing_options
+def rollouts(
+    store: str | None, fenced: bool, pattern: str | None, capture_keys: bool, fmt: str, limit: int | None
+) -> int:
+    """List every rollout, sorted by id, with its attempts, its calls by state (newest attempt of
+    each call) and its fenced attempts (retired: late writes refused)."""
+    import fnmatch
+
+    if capture_keys and fmt != "table":
+        raise click.UsageError(f"--capture-keys prints plain lines; it takes no --{fmt}")
     with read_only(store) as opened:
         found = opened.rollouts()
     shaped: list[dict[str, Any]] = [
@@ -31,17 +52,35 @@ def rollouts(store: str | None, as_json: bool) -> int:
             "calls": summary.calls,
             "completed": summary.completed,
             "failed": summary.failed,
+            "fenced": list(summary.fenced),
         }
         for summary in found
+        if (not fenced or summary.fenced) and (pattern is None or fnmatch.fnmatchcase(summary.rollout_id, pattern))
     ]
-    if as_json:
-        output.emit_json({"rollouts": shaped})
-    else:
-        output.listing(
-            f"{len(shaped)} rollout(s)",
-            ["rollout", "attempts", "calls", "completed", "failed"],
-            [[r["rollout_id"], ", ".join(r["attempts"]), r["calls"], r["completed"], r["failed"]] for r in shaped],
-        )
+    shaped = output.limited(shaped, limit)
+    if capture_keys:
+        keys = [key for row in shaped for key in (row["fenced"] if fenced else row["attempts"])]
+        output.emit_lines(keys)
+        return exits.OK
+    output.emit_listing(
+        fmt,
+        document={"rollouts": shaped},
+        rows=shaped,
+        fields=["rollout_id", "attempts", "calls", "completed", "failed", "fenced"],
+        title=f"{len(shaped)} rollout(s)",
+        columns=["rollout", "attempts", "calls", "completed", "failed", "fenced"],
+        table_rows=[
+            [
+                r["rollout_id"],
+                ", ".join(r["attempts"]),
+                r["calls"],
+                r["completed"],
+                r["failed"],
+                ", ".join(r["fenced"]) or None,
+            ]
+            for r in shaped
+        ],
+    )
     return exits.OK
 
 
@@ -171,17 +210,32 @@ def _tree(found: RolloutLineage) -> Any:
     "  staging-store keys demo-store/demo.db --rollout run1-r0 --json",
 )
 @store_argument
-@click.option("--rollout", "rollout_id", metavar="ROLLOUT", help="Only this rollout's keys (every attempt).")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def keys(store: str | None, rollout_id: str | None, as_json: bool) -> int:
-    """List the live staging keys: the call each holds, its event and kind, its digest.
+@click.option(
+    "--rollout",
+    "rollout_ids",
+    multiple=True,
+    callback=checked_names,
+    metavar="ROLLOUT",
+    help="Only this rollout's keys (every attempt; repeatable).",
+)
+@output.listing_options
+def keys(store: str | None, rollout_ids: tuple[str, ...], fmt: str, limit: int | None) -> int:
+    """List the live staging keys, in key order: the call each holds, its event and kind, its digest.
 
-    Exit 1 when --rollout names a rollout the store does not hold.
+    Exit 1 when a --rollout names a rollout the store does not hold.
     """
     with read_only(store) as opened:
-        found = opened.staged_keys(rollout_id)
-        if rollout_id is not None and not found:
-            known_rollout(opened, rollout_id)
+        if not rollout_ids:
+            found = opened.staged_keys()
+        else:
+            found = []
+            for rollout_id in dict.fromkeys(rollout_ids):
+                part = opened.staged_keys(rollout_id)
+                if not part:
+                    known_rollout(opened, rollout_id)
+                found += part
+            found.sort(key=lambda key: key.staging_key)
+    found = output.limited(found, limit)
     shaped: list[dict[str, Any]] = [
         {
             "staging_key": key.staging_key,
@@ -193,23 +247,24 @@ def keys(store: str | None, rollout_id: str | None, as_json: bool) -> int:
         }
         for key in found
     ]
-    if as_json:
-        output.emit_json({"keys": shaped})
-    else:
-        output.listing(
-            f"{len(shaped)} key(s)",
-            ["key", "call", "kind", "event", "digest"],
+    output.emit_listing(
+        fmt,
+        document={"keys": shaped},
+        rows=shaped,
+        fields=["staging_key", "rollout_id", "model_call_id", "event_seq", "kind", "digest"],
+        title=f"{len(shaped)} key(s)",
+        columns=["key", "call", "kind", "event", "digest"],
+        table_rows=[
             [
-                [
-                    key["staging_key"],
-                    f"{key['rollout_id']}/{key['model_call_id']}",
-                    key["kind"],
-                    key["event_seq"],
-                    key["digest"][:16],
-                ]
-                for key in shaped
-            ],
-        )
+                key["staging_key"],
+                f"{key['rollout_id']}/{key['model_call_id']}",
+                key["kind"],
+                key["event_seq"],
+                key["digest"][:16] if key["digest"] else None,
+            ]
+            for key in shaped
+        ],
+    )
     return exits.OK
 
 

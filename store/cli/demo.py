@@ -50,8 +50,12 @@ def demo(path: str, rollouts: int, workers: int, tokens: int, seed: int, engine_
     the store is audited and exported, and every exported rollout is checked token for token
     against the same rollout decoded without a crash.
     """
+    from store.cli.opening import remember
     from store.demo.run import run_demo
 
+    if not path.strip():
+        raise click.BadParameter("it is empty; name the store file to create or add a run to", param_hint="'--path'")
+    remember(path)  # errors name the path as given, not resolved
     folder = Path(path).expanduser().absolute().parent
     if not folder.is_dir() and not folder.parent.is_dir():
         raise click.BadParameter(
@@ -99,9 +103,8 @@ class _steps:
     """Phase lines on stderr when it is a terminal (a spinner), silent when piped."""
 
     def __enter__(self) -> Any:
-        import sys
 
-        if not sys.stderr.isatty():
+        if not output.chatty():
             return None
         from rich.console import Console
 
@@ -151,8 +154,8 @@ def _show(s: dict[str, Any]) -> None:
         *[f"  coordinator: {line}" for line in s["coordinator_log"]],
         verdict,
         *[f"  [red]-[/red] {failure}" for failure in s["failures"]],
-        f"store: {s['store']}",
-        f"export: {s['export']} (all {s['exported_rollouts']} rollouts of the store)",
+        escape(f"store: {invocation.shown_path(s['store'])}"),  # as the user would type it here
+        escape(f"export: {invocation.shown_path(s['export'])} (all {s['exported_rollouts']} rollouts of the store)"),
         f"next ({escape(hint)}):" if hint else "next:",
         *[
             escape(f"  {run} {line}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
 import click
 
 from store.cli import exits, output
-from store.cli.opening import STORE_HELP, read_only, shown, store_argument
+from store.cli.opening import STORE_HELP, checked_names, read_only, shown, store_argument
 
 
 @click.command(
@@ -24,7 +25,14 @@ from store.cli.opening import STORE_HELP, read_only, shown, store_argument
     help="Write the lines to FILE (a temporary file beside it, renamed to FILE once complete: an "
     "interrupted export leaves FILE as it was).  [default: stdout]",
 )
-@click.option("--rollout", "rollout_ids", multiple=True, metavar="ROLLOUT", help="Only this rollout (repeatable).")
+@click.option(
+    "--rollout",
+    "rollout_ids",
+    multiple=True,
+    callback=checked_names,
+    metavar="ROLLOUT",
+    help="Only this rollout (repeatable).",
+)
 @click.option(
     "--json",
     "as_json",
@@ -39,14 +47,31 @@ def export(store: str | None, target: Path | None, rollout_ids: tuple[str, ...],
     nothing and is reported.  Exit 0 when every rollout was exported, 1 otherwise (also
     for a --rollout the store does not hold).
     """
+    if target is not None and target == Path():  # -o '' (a Path of it is the current folder)
+        raise click.BadParameter("it is empty; name the file to write", param_hint="'-o' / '--output'")
     if target is not None and not target.parent.is_dir():
         raise click.BadParameter(f"the folder {target.parent} does not exist", param_hint="'-o' / '--output'")
+    from store.errors import InvalidRecordError
+
     with read_only(store) as opened, output.progress_bar("exporting") as progress:
-        report = opened.export_jsonl(
-            target if target is not None else sys.stdout.buffer,
-            rollout_ids=list(rollout_ids) or None,
-            progress=progress,
-        )
+        try:
+            report = opened.export_jsonl(
+                target if target is not None else sys.stdout.buffer,
+                rollout_ids=list(rollout_ids) or None,
+                progress=progress,
+            )
+        except InvalidRecordError as exc:  # the library names its function; the user named -o
+            if target is None:
+                raise
+            reason = str(exc).partition(f"{target}: ")[2] or exits.one_line(exc)
+            reason = reason[:1].lower() + reason[1:]
+            raise exits.CommandError(f"cannot write the export to {target} (-o): {reason}", exits.USAGE) from exc
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise
+            raise exits.CommandError(
+                f"cannot write the export to {target if target is not None else 'stdout'}: {exits.os_reason(exc)}"
+            ) from exc
         where = shown(opened)
     shaped = {
         "store": where,
@@ -62,7 +87,7 @@ def export(store: str | None, target: Path | None, rollout_ids: tuple[str, ...],
 
         text = json.dumps(shaped, indent=2) + "\n"
         (sys.stderr if to_stderr else sys.stdout).write(text)
-    else:
+    elif not (to_stderr and output.QUIET[0]):  # -q: no report on stderr beside the lines
         summary = f"exported {report.rows} row(s) of {report.rollouts} rollout(s) to {shaped['output']}"
         lines = [summary] + [f"  not exported: {f.rollout_id}: {f.code}: {f.detail}" for f in report.failures]
         (sys.stderr if to_stderr else sys.stdout).write("\n".join(lines) + "\n")

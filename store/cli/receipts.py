@@ -8,7 +8,7 @@ import click
 
 from store.cli import exits, output
 from store.cli.browse import known_rollout
-from store.cli.opening import STORE_HELP, read_only, shown, store_argument
+from store.cli.opening import STORE_HELP, checked_names, read_only, shown, store_argument
 
 if TYPE_CHECKING:
     from store.wire.cut_records import GenerationCutPrefixAck
@@ -19,22 +19,24 @@ if TYPE_CHECKING:
     "  staging-store receipts demo-store/demo.db --checkpoint checkpoint-1 --json",
 )
 @store_argument
-@click.option("--checkpoint", "checkpoint_id", help="Only this checkpoint's receipts.")
-@click.option("--rollout", "rollout_id", help="Only acknowledgements of this rollout (bare id or capture key).")
+@click.option("--checkpoint", "checkpoint_id", callback=checked_names, help="Only this checkpoint's receipts.")
 @click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the receipts as JSON (each as the worker returned it) and the domain each is durable in.",
+    "--rollout",
+    "rollout_id",
+    callback=checked_names,
+    help="Only acknowledgements of this rollout (bare id or capture key).",
 )
-def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | None, as_json: bool) -> int:
+@output.listing_options
+def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | None, fmt: str, limit: int | None) -> int:
     """List the cut receipts workers returned, oldest first, one row per acknowledged call.
 
     What an orchestrator that lost its process needs to continue a cut call: the staging keys,
     generated-token count, digest and output limit of each durable prefix (a worker continues
     one with RolloutTokenCapture.continue_latest_cut), and where it is durable: "local" (in the
     store that served the cut) or "replicated" (in that store's replica before it was
-    acknowledged: a host loss keeps it).  The store is opened read-only.
+    acknowledged: a host loss keeps it).  The store is opened read-only.  --json prints the
+    receipts as the workers returned them and the domain of each; --jsonl one receipt per line,
+    {"receipt", "domain"}; --csv and --tsv the table's rows.  --limit N keeps the first N receipts.
     Exit 1 when --rollout names a rollout the store does not hold, or --checkpoint a checkpoint
     it kept no receipt of.
     """
@@ -52,11 +54,19 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
             known_rollout(opened, rollout_id)
     if checkpoint_id is not None and not found and rollout_id is None:
         raise exits.CommandError(f"no receipt of checkpoint {checkpoint_id!r} in the store", exits.PROBLEMS)
-    if as_json:
+    found, domains = output.limited(found, limit), output.limited(domains, limit)
+    if fmt in ("json", "jsonl"):
         import json
 
-        output.emit_json(
-            {"store": where, "receipts": [json.loads(to_json(receipt)) for receipt in found], "domains": domains}
+        shown_receipts = [json.loads(to_json(receipt)) for receipt in found]
+        output.emit_listing(
+            fmt,
+            document={"store": where, "receipts": shown_receipts, "domains": domains},
+            rows=[{"receipt": r, "domain": d} for r, d in zip(shown_receipts, domains, strict=True)],
+            fields=[],
+            title=None,
+            columns=[],
+            table_rows=[],
         )
         return exits.OK
     rows = [
@@ -65,11 +75,14 @@ def receipts(store: str | None, checkpoint_id: str | None, rollout_id: str | Non
         for ack in receipt.prefixes
         if rollout_id is None or rollout_id in (ack.rollout_id, _capture_key(ack))
     ]
-    output.listing(
-        f"{len(found)} receipt(s), {len(rows)} acknowledgement(s)",
-        ["checkpoint", "capture key", "call", "disposition", "domain", "kind", "tokens", "limit", "finish", "keys"],
-        rows,
-    )
+    columns = ["checkpoint", "capture key", "call", "disposition", "domain", "kind", "tokens", "limit", "finish"]
+    columns.append("keys")
+    if fmt in ("csv", "tsv"):
+        fields = [column.replace(" ", "_") for column in columns]
+        table = [dict(zip(fields, row, strict=True)) for row in rows]
+        output.emit_delimited(fields, table, "," if fmt == "csv" else "\t")
+        return exits.OK
+    output.listing(f"{len(found)} receipt(s), {len(rows)} acknowledgement(s)", columns, rows)
     output.show(f"store: {where}")
     return exits.OK
 

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 
 from store.cli import exits, output
-from store.cli.opening import ENV, STORE_HELP, location, looks_like_store, shown, writable
+from store.cli.opening import ENV, STORE_HELP, location, looks_like_store, read_only, shown, writable
 
 if TYPE_CHECKING:
+    from store.retention.preview import Action
     from store.store import Store
     from store.wire.records import RolloutRemoval
 
@@ -61,8 +62,12 @@ def gather_keys(given: list[str], from_file: str | None) -> list[str]:
             try:
                 with open(from_file, encoding="utf-8") as lines:
                     keys += _read_keys(lines, from_file)
-            except (OSError, UnicodeDecodeError) as exc:
-                raise click.UsageError(f"cannot read capture keys from {from_file}: {exits.one_line(exc)}") from exc
+            except OSError as exc:
+                raise click.UsageError(f"cannot read capture keys from {from_file}: {exits.os_reason(exc)}") from exc
+            except UnicodeDecodeError as exc:
+                raise click.UsageError(
+                    f"cannot read capture keys from {from_file}: it is not UTF-8 text (byte {exc.start})"
+                ) from exc
     if not keys:
         raise click.UsageError("no capture keys given: pass KEY arguments or --from-file FILE ('-' for stdin)")
     seen: set[str] = set()
@@ -102,6 +107,64 @@ def _removal(
     return {"store": where, "requested": len(keys), "batches": len(parts), "removed": removed, "absent": absent}
 
 
+def _preview(store: str | None, keys: list[str], action: Action) -> dict[str, Any]:
+    """What the action would do, read-only (``Store.removal_preview``): nothing is written."""
+    rows: list[dict[str, Any]] = []
+    with read_only(store) as opened:
+        where = shown(opened)
+        for part in batches(keys, MAX_PER_CALL):
+            for preview in opened.removal_preview(part):
+                rows.append(
+                    {
+                        "capture_key": preview.capture_key,
+                        "outcome": preview.outcome(action),
+                        "events": preview.events,
+                        "records": preview.records,
+                        "stored_bytes": preview.stored_bytes,
+                        "fenced": preview.fenced,
+                    }
+                )
+    return {
+        "command": action,
+        "dry_run": True,
+        "store": where,
+        "requested": len(keys),
+        "removed": [row["capture_key"] for row in rows if row["outcome"] == "removed"],
+        "absent": [row["capture_key"] for row in rows if row["outcome"] == "absent"],
+        "keys": rows,
+    }
+
+
+_WOULD = {"retire": "would be fenced", "forget": "would be unfenced", "delete": "would be deleted"}
+
+
+def _report_preview(shaped: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        output.emit_json(shaped)
+        return
+    rows = shaped["keys"]
+    output.listing(
+        None,
+        ["capture key", "outcome", "events", "records", "stored bytes", "fenced"],
+        [
+            [row["capture_key"], row["outcome"], row["events"], row["records"], row["stored_bytes"], row["fenced"]]
+            for row in rows
+        ],
+    )
+    removed = [row for row in rows if row["outcome"] == "removed"]
+    events = sum(row["events"] for row in removed)
+    sizes = (
+        f" ({events} events, {sum(row['stored_bytes'] for row in removed):,} bytes)"
+        if shaped["command"] == "delete"
+        else ""
+    )
+    output.show(
+        f"{shaped['command']} --dry-run: {len(removed)} capture key(s) {_WOULD[shaped['command']]}{sizes}, "
+        f"{len(shaped['absent'])} absent; nothing was written",
+        f"store: {shaped['store']}",
+    )
+
+
 def _report(shaped: dict[str, Any], as_json: bool, done: str, absent_note: str) -> None:
     if as_json:
         output.emit_json(shaped)
@@ -117,6 +180,12 @@ def _report(shaped: dict[str, Any], as_json: bool, done: str, absent_note: str) 
 def _keys_options(function: Callable[..., Any]) -> Callable[..., Any]:
     function = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a sentence.")(function)
     function = click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Only list what would be done to each key (events, records, bytes, fence), opening the store "
+        "read-only: nothing is written.  The exit code is the one the real command would have.",
+    )(function)
+    function = click.option(
         "--from-file",
         "from_file",
         metavar="FILE",
@@ -130,7 +199,7 @@ def _keys_options(function: Callable[..., Any]) -> Callable[..., Any]:
     "  cat dead-attempts.txt | staging-store retire demo-store/demo.db --from-file - --json",
 )
 @_keys_options
-def retire(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> int:
+def retire(arguments: tuple[str, ...], from_file: str | None, dry_run: bool, as_json: bool) -> int:
     """Fence capture keys: every later write for them (stage, cut, admission, ledger) is refused.
 
     Their staged records stay readable.  A key that holds nothing yet is fenced too (listed as
@@ -139,6 +208,9 @@ def retire(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> 
     """
     store, given = split_store(arguments)
     keys = gather_keys(given, from_file)
+    if dry_run:
+        _report_preview(_preview(store, keys, "retire"), as_json)
+        return exits.OK
     shaped = {"command": "retire", **_removal(store, keys, lambda s, part: s.retire(part), MAX_PER_CALL)}
     _report(shaped, as_json, "retired", "nothing staged yet; fenced anyway")
     return exits.OK
@@ -148,7 +220,7 @@ def retire(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> 
     epilog=f"{KEYS_HELP}\n\nExample: staging-store forget demo-store/demo.db run1-r0 --json",
 )
 @_keys_options
-def forget(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> int:
+def forget(arguments: tuple[str, ...], from_file: str | None, dry_run: bool, as_json: bool) -> int:
     """Remove the fences of retired capture keys, so they accept writes again.
 
     A key that had no fence is listed as absent and nothing is written for it.  More than
@@ -157,6 +229,10 @@ def forget(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> 
     """
     store, given = split_store(arguments)
     keys = gather_keys(given, from_file)
+    if dry_run:
+        preview = _preview(store, keys, "forget")
+        _report_preview(preview, as_json)
+        return exits.PROBLEMS if preview["absent"] else exits.OK
     shaped = {"command": "forget", **_removal(store, keys, lambda s, part: s.forget(part), MAX_PER_CALL)}
     _report(shaped, as_json, "unfenced", "had no fence")
     return exits.PROBLEMS if shaped["absent"] else exits.OK
@@ -164,10 +240,11 @@ def forget(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> 
 
 @click.command(
     epilog=f"{KEYS_HELP}\n\nExamples:\n\n  staging-store delete demo-store/demo.db run1-r0 run1-r0-a1\n\n"
+    "  staging-store delete demo-store/demo.db --from-file done.txt --dry-run\n\n"
     "  staging-store delete demo-store/demo.db --from-file done.txt && staging-store compact demo-store/demo.db",
 )
 @_keys_options
-def delete(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> int:
+def delete(arguments: tuple[str, ...], from_file: str | None, dry_run: bool, as_json: bool) -> int:
     """Delete every event of capture keys (staged tokens, admissions, ledger rows) and their fences.
 
     A tombstone per key stays in the log so audits explain the gap; `compact` then gives the
@@ -177,6 +254,10 @@ def delete(arguments: tuple[str, ...], from_file: str | None, as_json: bool) -> 
     """
     store, given = split_store(arguments)
     keys = gather_keys(given, from_file)
+    if dry_run:
+        preview = _preview(store, keys, "delete")
+        _report_preview(preview, as_json)
+        return exits.PROBLEMS if preview["absent"] else exits.OK
     with output.progress_bar("deleting") as progress:
         removal = _removal(store, keys, lambda s, part: s.delete(part), DELETE_BATCH, progress)
     shaped = {"command": "delete", **removal}

@@ -19,7 +19,6 @@ import click
 from store.cli import exits
 from store.cli.opening import STORE_HELP, shown, shown_location, store_argument, writable
 
-_EXTRA = "the serve command needs the [http] extra: pip install 'staging-store[http]'"
 _SPARE_FDS = 64  # the store's files, the thread pool's connections, logging: beyond the client connections
 
 
@@ -121,7 +120,11 @@ def serve(
 
         from store.http.routes import control_app
     except ImportError as exc:
-        raise exits.CommandError(f"{_EXTRA} ({exc.name} is missing)") from exc
+        from store.install import extra_hint
+
+        raise exits.CommandError(
+            f"the serve command needs the [http] extra ({exc.name} is missing): {extra_hint('http')}"
+        ) from exc
     from store.errors import CaptureError
     from store.worker.capture import RolloutTokenCapture
 

@@ -58,8 +58,9 @@ def ship(
     second ship sends only what is new.  A ship goes up to SRC's last event when it began
     (bounded further by --limit and --deadline).  It stops at the first event DST refuses
     (a conflict) or that is damaged in SRC, keeps everything before it, and exits 1;
-    exit 0 otherwise.  --follow prints one line per round that shipped something (a JSON
-    object per line with --json) and, on SIGINT or SIGTERM, the totals.
+    exit 0 otherwise.  --follow prints one line per round that shipped something and, on
+    SIGINT or SIGTERM, the totals; with --json that is JSON Lines, every line one object
+    ({"round": ...} per round, then the report).
     """
     if follow and (limit is not None or deadline is not None):
         raise click.UsageError("--follow ships until stopped; it takes no --limit or --deadline")
@@ -100,7 +101,9 @@ def ship(
                 for problem in report.problems
             ],
         }
-    if as_json:
+    if as_json and follow:  # a stream: JSON Lines, the totals one compact line after the rounds'
+        output.emit_jsonl([shaped])
+    elif as_json:
         output.emit_json(shaped)
     else:
         output.show(report.summary(), f"{shaped['source']} -> {shaped['target']}")

@@ -8,7 +8,7 @@ import click
 
 from store.cli import exits, output
 from store.cli.browse import known_rollout
-from store.cli.opening import STORE_HELP, read_only, store_argument
+from store.cli.opening import STORE_HELP, checked_names, read_only, store_argument
 
 
 @click.command(
@@ -16,7 +16,14 @@ from store.cli.opening import STORE_HELP, read_only, store_argument
     "  staging-store versions demo-store/demo.db --stale 3 --max-lag 1 --json",
 )
 @store_argument
-@click.option("--rollout", "rollout_id", metavar="ROLLOUT", help="Only this rollout (every attempt).")
+@click.option(
+    "--rollout",
+    "rollout_ids",
+    multiple=True,
+    callback=checked_names,
+    metavar="ROLLOUT",
+    help="Only this rollout (every attempt; repeatable).",
+)
 @click.option(
     "--stale",
     "current",
@@ -30,22 +37,43 @@ from store.cli.opening import STORE_HELP, read_only, store_argument
     metavar="N",
     help="With --stale (only): how many versions behind CURRENT is still fresh.  [default: 0]",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def versions(store: str | None, rollout_id: str | None, current: int | None, max_lag: int | None, as_json: bool) -> int:
-    """Show generated tokens per policy version, store-wide and per rollout (every attempt counted once).
+@output.listing_options
+def versions(
+    store: str | None,
+    rollout_ids: tuple[str, ...],
+    current: int | None,
+    max_lag: int | None,
+    fmt: str,
+    limit: int | None,
+) -> int:
+    """Show generated tokens per policy version, store-wide and per rollout, sorted by rollout id
+    (every attempt counted once).
 
-    Exit 1 when --rollout names a rollout the store does not hold.
+    --jsonl, --csv and --tsv print one line per rollout (with --stale: per stale call); --limit
+    keeps the first N of those.  Exit 1 when a --rollout names a rollout the store does not hold.
     """
-    if current is not None and rollout_id is not None:
+    from collections import Counter
+
+    if current is not None and rollout_ids:
         raise click.UsageError("--stale covers the whole store; drop --rollout")
     if max_lag is not None and current is None:
         raise click.UsageError("--max-lag only applies with --stale CURRENT")
     max_lag = max_lag or 0
     with read_only(store) as opened:
-        totals = opened.version_tokens(rollout_id)
-        per_rollout = opened.rollout_versions(rollout_id)
-        if rollout_id is not None and not per_rollout:
-            known_rollout(opened, rollout_id)
+        if not rollout_ids:
+            totals = opened.version_tokens()
+            per_rollout = opened.rollout_versions()
+        else:
+            per_rollout, counted = [], Counter[int]()
+            for rollout_id in dict.fromkeys(rollout_ids):
+                part = opened.rollout_versions(rollout_id)
+                if not part:
+                    known_rollout(opened, rollout_id)
+                per_rollout += [entry for entry in part if entry not in per_rollout]
+            for entry in per_rollout:
+                counted.update(entry.tokens_by_version)
+            totals = {version: counted[version] for version in sorted(counted)}
+        per_rollout = output.limited(sorted(per_rollout, key=lambda entry: entry.rollout_id), limit)
         stale = None if current is None else opened.stale(current, max_lag)
     shaped: dict[str, Any] = {
         "tokens_by_version": {str(version): count for version, count in sorted(totals.items())},
@@ -79,8 +107,12 @@ def versions(store: str | None, rollout_id: str | None, current: int | None, max
             ],
         },
     }
-    if as_json:
-        output.emit_json(shaped)
+    if stale is not None and limit is not None:
+        shaped["stale"]["calls"] = shaped["stale"]["calls"][:limit]
+    if fmt != "table":
+        rows = shaped["rollouts"] if shaped["stale"] is None else shaped["stale"]["calls"]
+        fields = list(rows[0]) if rows else (_STALE_FIELDS if stale is not None else _ROLLOUT_FIELDS)
+        output.emit_listing(fmt, document=shaped, rows=rows, fields=fields, title=None, columns=[], table_rows=[])
         return exits.OK
     output.listing("generated tokens by policy version", ["version", "tokens"], [list(item) for item in totals.items()])
     output.listing(
@@ -98,7 +130,13 @@ def versions(store: str | None, rollout_id: str | None, current: int | None, max
             ["call", "state", "oldest", "stale tokens", "generated tokens"],
             [
                 [f"{c.capture_key}/{c.model_call_id}", c.state, c.oldest_version, c.stale_tokens, c.generated_tokens]
-                for c in stale.calls
+                for c in stale.calls[: len(shaped["stale"]["calls"])]
             ],
         )
     return exits.OK
+
+
+_ROLLOUT_FIELDS = ["rollout_id", "tokens_by_version", "oldest_version", "newest_version", "generated_tokens"]
+_STALE_FIELDS = [
+    "rollout_id", "capture_key", "model_call_id", "state", "oldest_version", "stale_tokens", "generated_tokens",
+]  # fmt: skip

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 )
 @store_argument
 @click.option("--lost", is_flag=True, help="Only workers lost without notice.  [default: every worker]")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def workers(store: str | None, lost: bool, as_json: bool) -> int:
+@output.listing_options
+def workers(store: str | None, lost: bool, fmt: str, limit: int | None) -> int:
     """List the policy worker processes by pid: state, the calls each staged, and what a lost one left in flight.
 
     Read from the worker events the checkpoint coordinator logs (joined, stopped, lost); a
@@ -29,10 +29,11 @@ def workers(store: str | None, lost: bool, as_json: bool) -> int:
     with read_only(store) as opened:
         found = opened.workers()
         where = shown(opened)
-    chosen = [worker for worker in found if worker.state == "lost"] if lost else found
-    shaped = {"store": where, "workers": [worker_json(worker) for worker in chosen]}
-    if as_json:
-        output.emit_json(shaped)
+    chosen = output.limited([worker for worker in found if worker.state == "lost"] if lost else found, limit)
+    rows = [worker_json(worker) for worker in chosen]
+    shaped = {"store": where, "workers": rows}
+    if fmt != "table":
+        output.emit_listing(fmt, document=shaped, rows=rows, fields=_FIELDS, title=None, columns=[], table_rows=[])
         return exits.OK
     output.listing(
         f"{len(chosen)} policy worker(s)",
@@ -51,6 +52,10 @@ def workers(store: str | None, lost: bool, as_json: bool) -> int:
     )
     output.show(f"store: {where}")
     return exits.OK
+
+
+_FIELDS = ["pid", "index", "state", "expected", "join_seq", "left_seq", "blocked_checkpoint"]
+_FIELDS += ["staged_calls", "in_flight_calls"]
 
 
 def worker_json(worker: PolicyWorker) -> dict[str, Any]:

@@ -33,6 +33,30 @@ LIMITS = {"rollouts": (1, 64), "workers": (1, 8), "tokens": (8, 4096)}
 Step = Callable[[str], object]
 
 
+def require_transformers() -> None:
+    """``--engine transformers`` runs torch and transformers in the workers: refuse, naming what
+    to install, when either is missing."""
+    import importlib.util
+
+    from store.errors import ConfigurationError
+    from store.install import extra_hint
+
+    missing = []
+    for module in ("torch", "transformers"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a module blocked in sys.modules, or a broken install
+            found = False
+        if not found:
+            missing.append(module)
+    if missing:
+        raise ConfigurationError(
+            f"the transformers engine needs torch and the [transformers] extra ({' and '.join(missing)} "
+            f"missing): pip install torch==2.13.0 (or the torch build for your machine), then "
+            f"{extra_hint('transformers')}; nothing was created"
+        )
+
+
 class DemoError(Exception):
     """Something in the demo did not go as it must (a worker failed, a check did not verify)."""
 
@@ -266,6 +290,8 @@ def run_demo(
     ``engine_kind``: ``toy`` (the default) or ``transformers`` (a tiny random-weight Llama; needs
     the ``[transformers]`` extra and torch)."""
     check_options(rollouts, workers, tokens)
+    if engine_kind == "transformers":
+        require_transformers()  # before any file or worker: a missing extra creates nothing
     started = time.perf_counter()
     say = step or (lambda _label: None)
     if Path(path).exists():  # add a run only to a store: another file is refused untouched

@@ -100,6 +100,7 @@ class RolloutSummary:
     calls: int
     completed: int
     failed: int
+    fenced: tuple[str, ...] = ()  # the attempts whose capture key is retired (late writes refused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +240,9 @@ def lineage(reader: Reader, rollout_id: str) -> RolloutLineage | None:
     )
 
 
+_FENCED = sa.select(schema.rollouts.c.rollout_id).where(schema.rollouts.c.fenced != 0)
+
+
 def rollouts(reader: Reader) -> list[RolloutSummary]:
     """Every rollout (attempts grouped under it), sorted by id, with its calls by newest state."""
     present = attempt_owners(reader)
@@ -253,16 +257,19 @@ def rollouts(reader: Reader) -> list[RolloutSummary]:
             per_call = newest.setdefault(where.rollout_id, {})
             if model_call_id not in per_call or per_call[model_call_id][0] <= where.attempt:
                 per_call[model_call_id] = (where.attempt, state)
+        fenced = {row[0] for row in connection.execute(_FENCED)}
     summaries = []
     for rollout_id in sorted(newest):
         states = [state for _, state in newest[rollout_id].values()]
+        keys = tuple(attempts[rollout_id][index] for index in sorted(attempts[rollout_id]))
         summaries.append(
             RolloutSummary(
                 rollout_id=rollout_id,
-                attempts=tuple(attempts[rollout_id][index] for index in sorted(attempts[rollout_id])),
+                attempts=keys,
                 calls=len(states),
                 completed=states.count("completed"),
                 failed=states.count("failed"),
+                fenced=tuple(key for key in keys if key in fenced),
             )
         )
     return summaries

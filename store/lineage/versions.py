@@ -88,7 +88,7 @@ def _counted(call: FamilyCall, continued: set[tuple[str, str]]) -> bool:
 
 
 def rollout_versions(reader: Reader, rollout_id: str | None = None) -> list[RolloutVersions]:
-    """Per rollout (or only ``rollout_id``): generated tokens per version, oldest and newest version."""
+    """Per rollout, sorted by id (or only ``rollout_id``): generated tokens per version, oldest and newest version."""
     if rollout_id is not None:
         bare = resolve_rollout(reader, rollout_id)
         counts: Counter[int] = Counter()
@@ -104,7 +104,7 @@ def rollout_versions(reader: Reader, rollout_id: str | None = None) -> list[Roll
         counts = per_rollout.setdefault(bare, Counter())
         if _counted(call, continued):
             _count(call.state.spans, counts)
-    return [_versions(bare, counts) for bare, counts in per_rollout.items()]
+    return [_versions(bare, per_rollout[bare]) for bare in sorted(per_rollout)]
 
 
 def version_tokens(reader: Reader, rollout_id: str | None = None) -> dict[int, int]:

@@ -255,9 +255,10 @@ def _create_engine(url: URL, **options: Any) -> Engine:
         return sa.create_engine(url, **options)
     except ImportError as exc:
         if url.get_backend_name() == "postgresql":
+            from store.install import extra_hint
+
             raise ConfigurationError(
-                f"the PostgreSQL driver ({exc.name or 'psycopg'}) is not installed: "
-                "pip install 'staging-store[postgres]'"
+                f"the PostgreSQL driver ({exc.name or 'psycopg'}) is not installed: {extra_hint('postgres')}"
             ) from exc
         raise ConfigurationError(f"the driver for {url.drivername} is not installed ({exc.name or exc})") from exc
     except sa.exc.ArgumentError as exc:
@@ -317,6 +318,8 @@ def _read_only_sqlite_engine(url: URL) -> Engine:
     not write) is a store without a -wal read ``immutable``, as before.
     """
     path = str(url.database)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise StorageError(f"{path} is not a store (not a regular file)")
     if not os.path.isfile(path):
         raise StorageError(f"no store at {path} (the file does not exist; read-only commands never create one)")
     if not os.access(path, os.R_OK):
@@ -582,8 +585,13 @@ def read_only_error(url: URL, exc: BaseException) -> StorageError:
         if "unable to open" in reason:
             return StorageError(f"cannot open {where}")
         return StorageError(f"cannot read {where}")
-    if "does not exist" in reason:
-        return StorageError(f"cannot connect to {where}: the database does not exist")
+    missing = re.search(r'database "([^"]+)" does not exist', reason)
+    if missing is not None:
+        name = missing[1]
+        return StorageError(
+            f"cannot connect to {where}: the database {name} does not exist: create it (CREATE DATABASE {name}) "
+            "or fix the URL"
+        )
     if connecting_failed(exc) or connection_lost(exc):
         return storage_error(f"reading {where}", exc)
     if _operational(exc):
