@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         DigestMismatchError,
         DigestTypeError,
         DigestValueError,
+        EntryConflictError,
         GenerationCutError,
         InvalidRecordError,
         LedgerConflictError,
@@ -47,7 +48,9 @@ if TYPE_CHECKING:
         ReceiptTypeError,
         ReceiptVerificationError,
         ReplicaUnavailableError,
+        RolloutDroppedError,
         RolloutFencedError,
+        RolloutFrozenError,
         ServerStartingError,
         ServerUnavailableError,
         StagingRefusedError,
@@ -114,6 +117,7 @@ if TYPE_CHECKING:
     )
     from store.shipping import EventOrigin, ShipProblem, ShipReport
     from store.store import StageEntry, StageResults, Store, open_store
+    from store.transport import TokenSnapshot, TokenTransport, open_token_transport, token_digest
     from store.wire.codec import from_json, from_msgpack, to_json, to_msgpack
     from store.wire.columns import FloatColumn, TokenIds
     from store.wire.cut_records import (
@@ -298,6 +302,14 @@ _MODULES = {
     "to_msgpack": "store.wire.codec",
     "verify_and_linearize": "store.rebuild.verify",
     "verify_and_linearize_all": "store.rebuild.verify",
+    # The complete-record transport (Gym's TokenSink / TokenSource / LineageResolver).
+    "EntryConflictError": "store.errors",
+    "RolloutDroppedError": "store.errors",
+    "RolloutFrozenError": "store.errors",
+    "TokenSnapshot": "store.transport",
+    "TokenTransport": "store.transport",
+    "open_token_transport": "store.transport",
+    "token_digest": "store.transport",
     "with_routed_experts": "store.rebuild.routed_rows",
 }
 
@@ -444,6 +456,13 @@ __all__ = [
     "verify_and_linearize",
     "verify_and_linearize_all",
     "with_routed_experts",
+    "EntryConflictError",
+    "RolloutDroppedError",
+    "RolloutFrozenError",
+    "TokenSnapshot",
+    "TokenTransport",
+    "open_token_transport",
+    "token_digest",
 ]
 
 

@@ -13,7 +13,7 @@ from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, store
 from store.append.statements import KEY_INSERT_COLUMNS, WriteStatements, held_keys_binds, new_stream_values
 from store.errors import RolloutFencedError
 from store.log.engine import Statement
-from store.log.events import RECORD_KINDS, EventKind, decode_body
+from store.log.events import RECORD_KINDS, TOKEN_KINDS, EventKind, TokenPutBody, decode_body
 from store.projections.fold import (
     CALL_ROW_COLUMNS,
     ROLLOUT_KINDS,
@@ -31,6 +31,12 @@ from store.projections.fold import (
     fold_rollout,
     fold_worker,
     worker_key,
+)
+from store.projections.tokens import (
+    TOKEN_ENTRY_COLUMNS,
+    TokenRolloutState,
+    fold_token_rollout,
+    token_entry_row,
 )
 
 
@@ -542,6 +548,8 @@ class WriteTransaction:
         worker = worker_key(event)
         if worker is not None:
             self._project_worker(worker, event)
+        if kind in TOKEN_KINDS:
+            self._project_tokens(event)
 
     def _project_call(self, event: Event, current: CallState | None) -> None:
         folded = fold_call(current, event)
@@ -573,6 +581,47 @@ class WriteTransaction:
         current = None if row is None else WorkerState(*row)
         self._execute(self._sql.delete_worker, {"key": key})
         self._execute(self._sql.insert_worker, fold_worker(current, event).to_row())
+
+    def token_lookup(
+        self, rollout_id: str, model_call_id: str
+    ) -> tuple[TokenRolloutState | None, tuple[bool, int | None], str | None]:
+        """One read for a transport write: the rollout's ``token_rollouts`` row, the capture
+        key's fence (fenced, fence seq) and the payload digest of the call's entry, if any."""
+        row = self._execute(
+            self._sql.tokens.lookup, {"rollout_id": rollout_id, "model_call_id": model_call_id}
+        ).fetchone()
+        width = len(TokenRolloutState.__dataclass_fields__)
+        state = None if row[0] is None else TokenRolloutState.from_row(row[:width])
+        fenced, fence_seq, digest = row[width:]
+        return state, (bool(fenced), None if fence_seq is None else int(fence_seq)), digest
+
+    def token_rollout(self, rollout_id: str) -> TokenRolloutState | None:
+        row = self._execute(self._sql.tokens.select_rollout, {"rollout_id": rollout_id}).fetchone()
+        return None if row is None else TokenRolloutState.from_row(row)
+
+    def _project_tokens(self, event: Event) -> None:
+        """Fold a transport event into its rollout's row (and a put's entry row).  Callers
+        append a put only for a call with no entry (else it is a no-op or a conflict)."""
+        statements = self._sql.tokens
+        current = self.token_rollout(event.rollout_id)
+        new_entry = True
+        if event.kind is EventKind.TOKENS_PUT:
+            body = event.body
+            assert isinstance(body, TokenPutBody)
+            found = self._execute(
+                statements.entry_digest, {"rollout_id": event.rollout_id, "model_call_id": body.model_call_id}
+            ).fetchone()
+            new_entry = found is None
+            if new_entry:
+                self._execute(
+                    statements.insert_entry, dict(zip(TOKEN_ENTRY_COLUMNS, token_entry_row(event), strict=True))
+                )
+        row = fold_token_rollout(current, event, new_entry=new_entry).to_row()
+        if current is None:
+            self._execute(statements.insert_rollout, row)
+        else:
+            row["b_rollout_id"] = event.rollout_id
+            self._execute(statements.update_rollout, row)
 
     def _project_rollout(self, event: Event) -> None:
         current = self.rollout(event.rollout_id)

@@ -544,6 +544,8 @@ class _Audit:
         self._compare(schema.cut_receipts, ("checkpoint_id", "inventory_digest"), self._row_problem)
         self._compare(schema.rollouts, ("rollout_id",), self._row_problem)
         self._compare(schema.workers, ("join_seq",), self._row_problem)
+        self._compare(schema.token_rollouts, ("rollout_id",), self._row_problem)
+        self._compare(schema.token_entries, ("rollout_id", "model_call_id"), self._row_problem)
 
     def _compare(
         self, table: sa.Table, key_columns: tuple[str, ...], report: Callable[[ReplayDifference], None]
