@@ -13,6 +13,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from store.errors import ConfigurationError
 
 
@@ -72,16 +74,23 @@ def gym_lineage() -> GymLineage:
     )
 
 
-def snapshot(rollout_id: str, payloads: list[bytes], incomplete: bool, snapshot_id: str, version: int) -> Any:
-    """A snapshot of the payloads: Gym's objects when Gym is installed, else ``TokenSnapshot``."""
-    import msgspec
-
+def entries(payloads: list[bytes]) -> tuple[Any, ...]:
+    """The payloads as Gym's ``TokenEntry`` objects when Gym is installed, else JSON mappings."""
     records = gym_records()
     if records is None:
-        entries: tuple[Any, ...] = tuple(msgspec.json.decode(payload) for payload in payloads)
-        return TokenSnapshot(rollout_id, entries, incomplete, snapshot_id, version)
-    entry_type, snapshot_type = records
-    entries = tuple(entry_type.model_validate_json(payload) for payload in payloads)
-    return snapshot_type(
-        rollout_id=rollout_id, entries=entries, incomplete=incomplete, snapshot_id=snapshot_id, version=version
+        return tuple(msgspec.json.decode(payload) for payload in payloads)
+    return tuple(records[0].model_validate_json(payload) for payload in payloads)
+
+
+def snapshot(rollout_id: str, payloads: list[bytes], incomplete: bool, snapshot_id: str, version: int) -> Any:
+    """A snapshot of the payloads: Gym's objects when Gym is installed, else ``TokenSnapshot``."""
+    records = gym_records()
+    if records is None:
+        return TokenSnapshot(rollout_id, entries(payloads), incomplete, snapshot_id, version)
+    return records[1](
+        rollout_id=rollout_id,
+        entries=entries(payloads),
+        incomplete=incomplete,
+        snapshot_id=snapshot_id,
+        version=version,
     )

@@ -24,15 +24,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from store import arguments
+from store.append import token_rules
 from store.append.new_event import NewEvent
 from store.append.transaction import WriteTransaction
-from store.errors import (
-    EntryConflictError,
-    InvalidRecordError,
-    RolloutDroppedError,
-    RolloutFencedError,
-    RolloutFrozenError,
-)
+from store.errors import InvalidRecordError
 from store.lifecycle import operation
 from store.log import schema
 from store.log.engine import Statement
@@ -68,13 +63,13 @@ class TokenTransport:
         self._check_process = store._check_process
         events, entries, rollouts = schema.events, schema.token_entries, schema.token_rollouts
         rollout_id: sa.BindParameter[str] = sa.bindparam("rollout_id")
-        self._entry_events = Statement(
+        self._entry_events_query = (
             sa.select(*events.c)
             .select_from(entries.join(events, events.c.seq == entries.c.event_seq))
             .where(entries.c.rollout_id == rollout_id)
-            .order_by(entries.c.event_seq),
-            self._engine,
+            .order_by(entries.c.event_seq)
         )
+        self._entry_events = Statement(self._entry_events_query, self._engine)
         self._candidates = (
             sa.select(
                 entries.c.model_call_id,
@@ -118,23 +113,9 @@ class TokenTransport:
         not a valid ``TokenEntry`` ``InvalidRecordError`` (its digest ``DigestMismatchError``).
         Nothing is written whenever it raises."""
         encoded = encode_entry(entry)
-        rollout_id, call_id, body = encoded.rollout_id, encoded.model_call_id, encoded.body
-        event = NewEvent(EventKind.TOKENS_PUT, rollout_id, TOKEN_STREAM, body)
+        event = NewEvent(EventKind.TOKENS_PUT, encoded.rollout_id, TOKEN_STREAM, encoded.body)
 
-        def work(tx: WriteTransaction) -> bool:
-            state, digest = _lookup(tx, rollout_id, call_id)
-            _refuse_dropped(rollout_id, state)
-            if digest is not None:
-                if digest == body.payload_digest:
-                    return False
-                raise EntryConflictError(
-                    f"rollout {rollout_id!r} already holds a different entry for call {call_id!r}; nothing was written"
-                )
-            _refuse_frozen(rollout_id, state, "put")
-            tx.append(event)
-            return True
-
-        return self._log.write(work)
+        return self._log.write(lambda tx: token_rules.put_entry(tx, event))
 
     @operation
     def begin_call_now(self, rollout_id: str, model_call_id: str) -> None:
@@ -144,9 +125,9 @@ class TokenTransport:
         event = NewEvent(EventKind.TOKENS_INTENT, rollout_id, TOKEN_STREAM, TokenCallBody(model_call_id=model_call_id))
 
         def work(tx: WriteTransaction) -> None:
-            state, digest = _lookup(tx, rollout_id, model_call_id)
-            _refuse_dropped(rollout_id, state)
-            _refuse_frozen(rollout_id, state, "begin_call")
+            state, digest = token_rules.lookup(tx, rollout_id, model_call_id)
+            token_rules.refuse_dropped(rollout_id, state)
+            token_rules.refuse_frozen(rollout_id, state, "begin_call")
             if digest is None and (state is None or model_call_id not in state.open_intents):
                 tx.append(event)
 
@@ -161,7 +142,7 @@ class TokenTransport:
         event = NewEvent(EventKind.TOKENS_INCOMPLETE, rollout_id, TOKEN_STREAM, TokenCallBody(model_call_id=call))
 
         def work(tx: WriteTransaction) -> None:
-            _refuse_dropped(rollout_id, tx.token_rollout(rollout_id))
+            token_rules.refuse_dropped(rollout_id, tx.token_rollout(rollout_id))
             tx.append(event)
 
         self._log.write(work)
@@ -181,7 +162,7 @@ class TokenTransport:
 
         def work(tx: WriteTransaction) -> tuple[TokenRolloutState, list[bytes]]:
             state = tx.token_rollout(rollout_id)
-            _refuse_dropped(rollout_id, state)
+            token_rules.refuse_dropped(rollout_id, state)
             if state is None or not state.frozen:
                 tx.append(frozen)
                 state = tx.token_rollout(rollout_id)
@@ -192,6 +173,17 @@ class TokenTransport:
         state, payloads = self._log.write(work)
         assert state.snapshot_id is not None
         return gym.snapshot(rollout_id, payloads, state.masked, state.snapshot_id, state.version)
+
+    @operation
+    def entries_now(self, rollout_id: str) -> tuple[Any, ...]:
+        """The entries the log holds for the rollout, frozen or not, dropped or not (a drop
+        retires the snapshot; the entries stay until ``Store.delete``), in put order: Gym's
+        ``TokenEntry`` objects when Gym is installed, else JSON mappings.  Writes nothing."""
+        arguments.text("rollout_id", rollout_id)
+        with self._engine.connect() as connection:
+            rows = connection.execute(self._entry_events_query, {"rollout_id": rollout_id}).fetchall()
+            connection.rollback()
+        return gym.entries([_payload(row._mapping) for row in rows])
 
     @operation
     def drop_now(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
@@ -326,30 +318,6 @@ class TokenTransport:
 def open_token_transport(url_or_path: str | os.PathLike[str], **options: Any) -> TokenTransport:
     """``TokenTransport.open``: a transport over a store of its own."""
     return TokenTransport.open(url_or_path, **options)
-
-
-def _lookup(tx: WriteTransaction, rollout_id: str, model_call_id: str) -> tuple[TokenRolloutState | None, str | None]:
-    """The rollout's transport row and the payload digest of the call's entry (one read); a
-    retired capture key is refused here, before anything is decided."""
-    state, (fenced, fence_seq), digest = tx.token_lookup(rollout_id, model_call_id)
-    if fenced:
-        raise RolloutFencedError(rollout_id, fence_seq)
-    return state, digest
-
-
-def _refuse_dropped(rollout_id: str, state: TokenRolloutState | None) -> None:
-    if state is not None and state.dropped:
-        raise RolloutDroppedError(
-            f"rollout {rollout_id!r} was dropped (its snapshot {state.snapshot_id} retired); nothing was written"
-        )
-
-
-def _refuse_frozen(rollout_id: str, state: TokenRolloutState | None, what: str) -> None:
-    if state is not None and state.frozen:
-        raise RolloutFrozenError(
-            f"rollout {rollout_id!r} is frozen (snapshot {state.snapshot_id}, version {state.version}); "
-            f"{what}() after the freeze is refused and nothing was written"
-        )
 
 
 def _payload(row: Any) -> bytes:
