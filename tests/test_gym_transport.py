@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,7 @@ from store.transport import gym as gym_bindings  # noqa: E402
 HERE = Path(__file__).parent
 WORKER = HERE / "transport_worker.py"
 sys.path.insert(0, str(HERE))
-from transport_worker import REQUEST, entry_sha, make_entry  # noqa: E402
+from transport_worker import REQUEST, entry_sha, lost, make_entry, run_writer  # noqa: E402
 
 ALL_CHECKS = [
     "put_then_freeze_visibility",
@@ -107,70 +105,13 @@ def test_the_transport_is_each_of_gyms_protocols(store_url: str) -> None:
 # --- durable when put returns: a SIGKILLed writer, read back by another process ---------------
 
 
-def run_writer(url: str, run_id: str, *, acks: int, ack_early: bool = False) -> list[str]:
-    """Start a writer process, let it acknowledge ``acks`` lines, SIGKILL it; its lines."""
-    command = [sys.executable, str(WORKER), url, run_id, "--tasks", "4", "--calls", "3"]
-    if ack_early:
-        command.append("--ack-early")
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 120
-    try:
-        while len(lines) < acks and time.monotonic() < deadline:
-            line = child.stdout.readline()
-            if not line:
-                break
-            if not line.endswith("\n"):
-                break  # torn by the kill: never acknowledged
-            lines.append(line.strip())
-    finally:
-        child.send_signal(signal.SIGKILL)
-        rest, errors = child.communicate(timeout=30)
-    lines += rest.split("\n")[:-1]  # a line the kill tore (no newline yet) was never acknowledged
-    assert child.returncode == -signal.SIGKILL, errors[-2000:]
-    assert not [line for line in lines if line.startswith("ERROR")], lines
-    assert len(lines) >= acks, f"the writer acknowledged {len(lines)} lines: {errors[-2000:]}"
-    return lines
-
-
-def lost(url: str, lines: list[str]) -> list[str]:
-    """What a fresh client in this process cannot read back of the writer's acknowledgements."""
-    puts: dict[str, dict[str, str]] = {}
-    frozen: dict[str, tuple[str, int]] = {}
-    dropped: set[str] = set()
-    for line in lines:
-        kind, rollout_id, *rest = line.split()
-        if kind == "PUT":
-            puts.setdefault(rollout_id, {})[rest[0]] = rest[1]
-        elif kind == "FROZEN":
-            frozen[rollout_id] = (rest[0], int(rest[1]))
-        elif kind == "DROPPED":
-            dropped.add(rollout_id)
-    problems: list[str] = []
-    with TokenTransport.open(url) as reader:
-        for rollout_id in sorted(set(puts) | set(frozen)):
-            held = {entry.model_call_id: entry_sha(entry) for entry in reader.entries_now(rollout_id)}
-            for call, sha in puts.get(rollout_id, {}).items():
-                if held.get(call) != sha:
-                    problems.append(f"{rollout_id}/{call}: acknowledged, {'different' if call in held else 'missing'}")
-            try:
-                snapshot = reader.freeze_now(rollout_id)
-            except RolloutDroppedError:
-                continue  # dropped (acknowledged or not: a drop is durable when it returns)
-            if rollout_id in dropped:
-                problems.append(f"{rollout_id}: acknowledged dropped, freezes again")
-            elif rollout_id in frozen and (snapshot.snapshot_id, snapshot.version) != frozen[rollout_id]:
-                problems.append(f"{rollout_id}: acknowledged snapshot {frozen[rollout_id]}, now {snapshot.snapshot_id}")
-        assert reader.store.replay().ok
-        assert reader.store.audit().ok
-    return problems
-
-
 def test_nothing_acknowledged_is_lost_when_the_writer_is_sigkilled(store_url: str) -> None:
     lines = run_writer(store_url, "kill", acks=80)
     assert any(line.startswith("DROPPED") for line in lines)  # every step of the cycle was acknowledged
     assert lost(store_url, lines) == []
+    with open_store(store_url) as store:
+        assert store.replay().ok
+        assert store.audit().ok
 
 
 def test_the_kill_check_finds_an_entry_acknowledged_before_its_put(tmp_path: Path) -> None:

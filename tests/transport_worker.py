@@ -3,6 +3,9 @@ drives Gym's put -> freeze -> drop cycle through ``TokenTransport`` until it is 
 
     python tests/transport_worker.py URL RUN_ID [--tasks T] [--calls C] [--ack-early]
 
+``run_writer`` starts one, SIGKILLs it after a number of lines and returns them; ``lost`` reads
+them back through a fresh client and names what is missing (the kill test and the benchmark).
+
 Task ``t`` cycles through rollouts ``<RUN_ID>-t<t>-<n>``: it puts ``C`` entries (Gym's own
 ``TokenEntry``, stamped as Gym's capture stamps them), freezes the rollout and drops the
 snapshot.  Each line is written and flushed only after the awaited call returned:
@@ -22,14 +25,18 @@ import argparse
 import asyncio
 import hashlib
 import json
+import signal
+import subprocess
 import sys
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from nemo_gym.token_id_capture.lineage import stamp_continuation
 from nemo_gym.token_id_capture.records import ParentResolutionStatus, TokenEntry, stamp_lineage
 
-from store import TokenTransport
+from store import RolloutDroppedError, TokenTransport
 
 REQUEST = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -59,6 +66,63 @@ def make_entry(rollout_id: str, model_call_id: str, seed: int, tokens: int = 64)
 def entry_sha(entry: Any) -> str:
     """What a PUT line names: the SHA-256 of the entry's JSON with sorted keys."""
     return hashlib.sha256(json.dumps(entry.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def run_writer(url: str, run_id: str, *, acks: int, ack_early: bool = False) -> list[str]:
+    """Start a writer process, let it acknowledge ``acks`` lines, SIGKILL it; its lines."""
+    command = [sys.executable, str(Path(__file__).resolve()), url, run_id, "--tasks", "4", "--calls", "3"]
+    if ack_early:
+        command.append("--ack-early")
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    try:
+        while len(lines) < acks and time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line:
+                break
+            if not line.endswith("\n"):
+                break  # torn by the kill: never acknowledged
+            lines.append(line.strip())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        rest, errors = child.communicate(timeout=30)
+    lines += rest.split("\n")[:-1]  # a line the kill tore (no newline yet) was never acknowledged
+    if child.returncode != -signal.SIGKILL or any(line.startswith("ERROR") for line in lines) or len(lines) < acks:
+        raise RuntimeError(f"the writer ended {child.returncode} after {len(lines)} lines: {errors[-2000:]}")
+    return lines
+
+
+def lost(url: str, lines: list[str]) -> list[str]:
+    """What a fresh client in this process cannot read back of the writer's acknowledgements."""
+    puts: dict[str, dict[str, str]] = {}
+    frozen: dict[str, tuple[str, int]] = {}
+    dropped: set[str] = set()
+    for line in lines:
+        kind, rollout_id, *rest = line.split()
+        if kind == "PUT":
+            puts.setdefault(rollout_id, {})[rest[0]] = rest[1]
+        elif kind == "FROZEN":
+            frozen[rollout_id] = (rest[0], int(rest[1]))
+        elif kind == "DROPPED":
+            dropped.add(rollout_id)
+    problems: list[str] = []
+    with TokenTransport.open(url) as reader:
+        for rollout_id in sorted(set(puts) | set(frozen)):
+            held = {entry.model_call_id: entry_sha(entry) for entry in reader.entries_now(rollout_id)}
+            for call, sha in puts.get(rollout_id, {}).items():
+                if held.get(call) != sha:
+                    problems.append(f"{rollout_id}/{call}: acknowledged, {'different' if call in held else 'missing'}")
+            try:
+                snapshot = reader.freeze_now(rollout_id)
+            except RolloutDroppedError:
+                continue  # dropped (acknowledged or not: a drop is durable when it returns)
+            if rollout_id in dropped:
+                problems.append(f"{rollout_id}: acknowledged dropped, freezes again")
+            elif rollout_id in frozen and (snapshot.snapshot_id, snapshot.version) != frozen[rollout_id]:
+                problems.append(f"{rollout_id}: acknowledged snapshot {frozen[rollout_id]}, now {snapshot.snapshot_id}")
+    return problems
 
 
 def emit(line: str) -> None:
