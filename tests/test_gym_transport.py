@@ -370,6 +370,7 @@ def test_a_damaged_payload_is_corruption_on_every_read(tmp_path: Path) -> None:
             transport.freeze_now("r")
         report = transport.store.audit()
         assert not report.ok and "checksum" in report.summary()
+        assert report.problems_total == 1, report.summary()  # the damage, not also the rows it left out
 
 
 def test_transport_events_ship_to_another_store(tmp_path: Path, store_url: str) -> None:

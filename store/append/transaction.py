@@ -593,6 +593,8 @@ class WriteTransaction:
         width = len(TokenRolloutState.__dataclass_fields__)
         state = None if row[0] is None else TokenRolloutState.from_row(row[:width])
         fenced, fence_seq, digest = row[width:]
+        if not fenced:
+            self._unfenced.add(rollout_id)  # the append's own fence check need not read it again
         return state, (bool(fenced), None if fence_seq is None else int(fence_seq)), digest
 
     def token_rollout(self, rollout_id: str) -> TokenRolloutState | None:
