@@ -216,6 +216,14 @@ BAD_PUTS = {
     "digest not hex": (entry_json(digest="xyz"), InvalidRecordError),
     "digest of other tokens": (entry_json(digest=compute_digest([1, 2, 3])), DigestMismatchError),
     "delta without parent": (entry_json(prompt_is_delta=True, parent_call_id=None), InvalidRecordError),
+    # Fields Gym's model types: an entry put must read back as Gym's TokenEntry at the freeze.
+    "created_at not a number": (entry_json(created_at=float("nan")), InvalidRecordError),
+    "token_item_index past output_items": (entry_json(token_item_index=5), InvalidRecordError),
+    "unknown parent_resolution": (entry_json(parent_resolution="maybe"), InvalidRecordError),
+    "resolved without parent": (entry_json(parent_resolution="resolved", parent_call_id=None), InvalidRecordError),
+    "root naming a parent": (entry_json(parent_resolution="root", parent_call_id="c0"), InvalidRecordError),
+    "output_items not objects": (entry_json(output_items=[1]), InvalidRecordError),
+    "model not text": (entry_json(model=3), InvalidRecordError),
 }
 
 

@@ -13,7 +13,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -41,23 +41,34 @@ def token_digest(token_ids: Any) -> str:
 
 
 class _EntryFields(msgspec.Struct, kw_only=True):
-    """The fields of a ``TokenEntry`` the transport relies on, typed; every other field (Gym's
-    model allows extras) is kept in the payload as it came."""
+    """Every field of Gym 0.7.0's ``TokenEntry``, typed as its model types it, so an entry put
+    always reads back as Gym's ``TokenEntry`` (a NaN that JSON writes as null is refused here,
+    not at the freeze); other fields (Gym's model allows extras) are kept as they came."""
 
     schema_version: int = ENTRY_SCHEMA_VERSION
     rollout_id: str
     model_call_id: str
+    model: str = ""
     prompt_token_ids: list[int]
     generation_token_ids: list[int]
     generation_log_probs: list[float]
+    routed_experts: Any = None
+    output_items: list[dict[str, Any]] = []
+    token_item_index: int | None = None
+    response_id: str | None = None
+    created_at: float = 0.0
+    parent_call_id: str | None = None
     cum_len: int | None = None
     digest: str | None = None
-    parent_call_id: str | None = None
-    prompt_is_delta: bool = False
+    parent_resolution: Literal["root", "resolved", "unresolved"] | None = None
     continuation_fingerprint: str = ""
     continuation_context_len: int = 0
     continuation_context_digest: str = ""
+    parent_resolution_reason: str = ""
     fingerprint_version: int | None = None
+    prompt_is_delta: bool = False
+    prefix_requested: bool = False
+    prefix_supplied: bool = False
 
 
 _FIELDS_DECODER = msgspec.json.Decoder(_EntryFields)
@@ -131,8 +142,15 @@ def _check(fields: _EntryFields) -> None:
         value = getattr(fields, name)
         if value is not None and not 0 <= value < _U64:
             raise InvalidRecordError(f"{call}: {name} must be a u64, got {value}")
-    if fields.prompt_is_delta and fields.parent_call_id is None:
-        raise InvalidRecordError(f"{call}: a delta prompt needs its parent_call_id")
+    if fields.token_item_index is not None and not 0 <= fields.token_item_index < len(fields.output_items):
+        raise InvalidRecordError(f"{call}: token_item_index {fields.token_item_index} is not an index of output_items")
+    resolution = fields.parent_resolution
+    if resolution == "resolved" and not fields.parent_call_id:
+        raise InvalidRecordError(f"{call}: a resolved parent needs its parent_call_id")
+    if resolution in ("root", "unresolved") and fields.parent_call_id is not None:
+        raise InvalidRecordError(f"{call}: a {resolution} entry cannot name a parent_call_id")
+    if fields.prompt_is_delta and (fields.parent_call_id is None or resolution != "resolved"):
+        raise InvalidRecordError(f"{call}: a delta prompt needs a resolved parent_call_id")
     if fields.digest is not None and not _HEX64.fullmatch(fields.digest):
         raise InvalidRecordError(f"{call}: digest must be 64 lowercase hex digits, got {fields.digest!r}")
     if fields.prompt_is_delta:
