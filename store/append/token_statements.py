@@ -52,9 +52,3 @@ class TokenStatements:
         self.insert_entry = Statement(
             sa.insert(entries).values({name: sa.bindparam(name) for name in TOKEN_ENTRY_COLUMNS}), engine
         )
-        self.entry_digest = Statement(
-            sa.select(entries.c.payload_digest).where(
-                entries.c.rollout_id == rollout_id, entries.c.model_call_id == sa.bindparam("model_call_id")
-            ),
-            engine,
-        )
