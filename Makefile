@@ -62,6 +62,8 @@ bench: $(TOOLS)
 	@if $(PY) -c "import torch, transformers" 2>/dev/null; then $(PY) tools/bench_engine.py; \
 	else echo "tools/bench_engine.py skipped: it needs torch and the [transformers] extra"; fi
 	$(PY) tools/bench_cli_tables.py
+	@if $(PY) -c "import nemo_gym.token_id_capture" 2>/dev/null; then $(PY) tools/bench_gym_transport.py; \
+	else echo "tools/bench_gym_transport.py skipped: it needs nemo-gym (make real-clients)"; fi
 
 clean:
 	rm -rf $(VENV) demo-store build *.egg-info

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         DigestMismatchError,
         DigestTypeError,
         DigestValueError,
+        EntryConflictError,
         GenerationCutError,
         InvalidRecordError,
         LedgerConflictError,
@@ -48,7 +49,9 @@ if TYPE_CHECKING:
         ReceiptTypeError,
         ReceiptVerificationError,
         ReplicaUnavailableError,
+        RolloutDroppedError,
         RolloutFencedError,
+        RolloutFrozenError,
         ServerStartingError,
         ServerUnavailableError,
         StagingRefusedError,
@@ -116,6 +119,7 @@ if TYPE_CHECKING:
     from store.retention.preview import RemovalPreview
     from store.shipping import EventOrigin, ShipProblem, ShipReport
     from store.store import StageEntry, StageResults, Store, open_store
+    from store.transport import TokenSnapshot, TokenTransport, open_token_transport, token_digest
     from store.wire.codec import from_json, from_msgpack, to_json, to_msgpack
     from store.wire.columns import FloatColumn, TokenIds
     from store.wire.cut_records import (
@@ -314,6 +318,14 @@ _MODULES = {
     "to_msgpack": "store.wire.codec",
     "verify_and_linearize": "store.rebuild.verify",
     "verify_and_linearize_all": "store.rebuild.verify",
+    # The complete-record transport (Gym's TokenSink / TokenSource / LineageResolver).
+    "EntryConflictError": "store.errors",
+    "RolloutDroppedError": "store.errors",
+    "RolloutFrozenError": "store.errors",
+    "TokenSnapshot": "store.transport",
+    "TokenTransport": "store.transport",
+    "open_token_transport": "store.transport",
+    "token_digest": "store.transport",
     "with_routed_experts": "store.rebuild.routed_rows",
 }
 
@@ -468,6 +480,13 @@ __all__ = [
     "verify_and_linearize",
     "verify_and_linearize_all",
     "with_routed_experts",
+    "EntryConflictError",
+    "RolloutDroppedError",
+    "RolloutFrozenError",
+    "TokenSnapshot",
+    "TokenTransport",
+    "open_token_transport",
+    "token_digest",
 ]
 
 

@@ -211,3 +211,17 @@ class ControlRequestError(StoreError):
 
     def __reduce__(self) -> tuple[type, tuple[int, str, str]]:
         return type(self), (self.status, self.code, self.detail)
+
+
+class EntryConflictError(StoreError, ValueError):
+    """The complete-record transport holds a different entry for the same call of the rollout
+    (a rebuilt entry is a conflict, not a retry); nothing was written."""
+
+
+class RolloutFrozenError(StoreError):
+    """A transport write (``put``, ``begin_call``) for a rollout already frozen: the fence is
+    strict (checked in the write transaction), and nothing was written."""
+
+
+class RolloutDroppedError(StoreError):
+    """A transport call for a rollout whose frozen snapshot was dropped (retired); nothing was written."""

@@ -69,7 +69,7 @@ LINE_TIMEOUT = 60.0
 BIN = Path(sys.executable).parent
 VENV = BIN.parent  # the venv the tests run in; a block's .venv/bin/staging-store is its script
 POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
-EXTRAS = {"http": ("fastapi", "uvicorn", "httpx"), "transformers": ("transformers",)}
+EXTRAS = {"http": ("fastapi", "uvicorn", "httpx"), "transformers": ("transformers",), "nemo-gym": ("nemo_gym",)}
 MAKE_RECIPES = {"demo": "staging-store demo", "test": "pytest", "bench": "tools/bench_"}
 # docs/cli.md's demo example; run once in an empty directory, it makes the store every sh block uses.
 SEED_LINE = "staging-store demo --workers 1"

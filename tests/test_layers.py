@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"audit", "lineage", "retention"},
     {"shipping"},
     {"store"},
-    {"worker", "coordinator", "adapters"},
+    {"worker", "coordinator", "adapters", "transport"},
     {"http", "demo"},
     {"cli"},
 ]

@@ -34,7 +34,9 @@ under a live flush thread (mid-write or idle), then reopened.  After every step:
   to exactly the model's tokens and oldest policy version; a failed one is refused as
   ``capture_poisoned``, one that generated nothing as ``empty_generation``.
 
-Every operation a later issue adds (audit, retention, coordinator) joins this machine.
+Every operation a later issue adds (audit, retention, coordinator) joins this machine; the
+complete-record transport's (Gym's put, begin_call, mark_incomplete, freeze, drop) come from
+``machine_transport.TransportRules``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from machine_lifecycle import EVIDENCE_TTL, JOIN_SECONDS, OUTPUT_LIMIT, LifecycleRules
+from machine_transport import TransportRules
 from profiles import examples
 from rollouts import manifest_row
 from shipping_helpers import assert_target_reads_like_source
@@ -144,7 +147,7 @@ def has_live(machine: StoreMachine) -> bool:
     return bool(machine.live)
 
 
-class StoreMachine(LifecycleRules, RuleBasedStateMachine):
+class StoreMachine(LifecycleRules, TransportRules, RuleBasedStateMachine):
     steps: ClassVar[Counter[str]] = Counter()  # rules run, over every sequence (for the soak's report)
 
     def __init__(self) -> None:

@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
 from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, stored_event_row
+from store.append.token_statements import TokenStatements
 from store.log import schema
 from store.log.engine import (
     Statement,
@@ -128,6 +129,7 @@ class WriteStatements:
         self.select_worker = Statement(sa.select(*workers.c).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.delete_worker = Statement(sa.delete(workers).where(workers.c.join_seq == sa.bindparam("key")), engine)
         self.insert_worker = Statement(sa.insert(workers).values({c: sa.bindparam(c.name) for c in workers.c}), engine)
+        self.tokens = TokenStatements(engine)  # the complete-record transport's projections
         self._engine = engine
         # PostgreSQL: each insert the transaction sends later as one statement for many rows.
         self.many_rows: dict[str, tuple[str, tuple[str, ...]]] = {}

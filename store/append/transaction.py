@@ -13,7 +13,7 @@ from store.append.new_event import EVENT_INSERT_COLUMNS, NewEvent, Writer, store
 from store.append.statements import KEY_INSERT_COLUMNS, WriteStatements, held_keys_binds, new_stream_values
 from store.errors import RolloutFencedError
 from store.log.engine import Statement
-from store.log.events import RECORD_KINDS, EventKind, decode_body
+from store.log.events import RECORD_KINDS, TOKEN_KINDS, EventKind, decode_body
 from store.projections.fold import (
     CALL_ROW_COLUMNS,
     ROLLOUT_KINDS,
@@ -31,6 +31,12 @@ from store.projections.fold import (
     fold_rollout,
     fold_worker,
     worker_key,
+)
+from store.projections.tokens import (
+    TOKEN_ENTRY_COLUMNS,
+    TokenRolloutState,
+    fold_token_rollout,
+    token_entry_row,
 )
 
 
@@ -112,6 +118,9 @@ class WriteTransaction:
         # on once the transaction commits (``EventLog``'s ``on_commit``: the replicator ships
         # them without reading them back).  ``foreign``: another module's statement ran here
         # (a ship's identities, retention's deletes): no row of it is handed on.
+        # The transport's ``token_rollouts`` rows read or written in this transaction, by rollout
+        # (None: no row), while no other module's statement and no rollback can have changed them.
+        self._token_rows: dict[str, TokenRolloutState | None] = {}
         self.kept: list[tuple[int, tuple[Any, ...]]] | None = [] if keep_rows else None
         self.foreign = False
         self._kept_marks: dict[str, int] = {}
@@ -125,6 +134,7 @@ class WriteTransaction:
         """Run another module's compiled statement in this transaction (retention, log shipping)."""
         self._not_own()
         self._forget_all_ahead()  # it may change what a read-ahead lookup saw
+        self._token_rows.clear()  # or a transport row (a delete removes them)
         return self._execute(statement, values)
 
     def run_many(
@@ -140,6 +150,7 @@ class WriteTransaction:
         as one ``COPY``, inside ``bulk``."""
         self._not_own()
         self._forget_all_ahead()
+        self._token_rows.clear()
         self.flush()
         if copy is not None and self._bulk and len(rows) >= COPY_MANY_ROWS:
             sql, names, types = copy
@@ -542,6 +553,8 @@ class WriteTransaction:
         worker = worker_key(event)
         if worker is not None:
             self._project_worker(worker, event)
+        if kind in TOKEN_KINDS:
+            self._project_tokens(event)
 
     def _project_call(self, event: Event, current: CallState | None) -> None:
         folded = fold_call(current, event)
@@ -573,6 +586,49 @@ class WriteTransaction:
         current = None if row is None else WorkerState(*row)
         self._execute(self._sql.delete_worker, {"key": key})
         self._execute(self._sql.insert_worker, fold_worker(current, event).to_row())
+
+    def token_lookup(
+        self, rollout_id: str, model_call_id: str
+    ) -> tuple[TokenRolloutState | None, tuple[bool, int | None], str | None]:
+        """One read for a transport write: the rollout's ``token_rollouts`` row, the capture
+        key's fence (fenced, fence seq) and the payload digest of the call's entry, if any."""
+        row = self._execute(
+            self._sql.tokens.lookup, {"rollout_id": rollout_id, "model_call_id": model_call_id}
+        ).fetchone()
+        width = len(TokenRolloutState.__dataclass_fields__)
+        state = None if row[0] is None else TokenRolloutState.from_row(row[:width])
+        self._token_rows[rollout_id] = state
+        fenced, fence_seq, digest = row[width:]
+        if not fenced:
+            self._unfenced.add(rollout_id)  # the append's own fence check need not read it again
+        return state, (bool(fenced), None if fence_seq is None else int(fence_seq)), digest
+
+    def token_rollout(self, rollout_id: str) -> TokenRolloutState | None:
+        if rollout_id in self._token_rows:
+            return self._token_rows[rollout_id]
+        row = self._execute(self._sql.tokens.select_rollout, {"rollout_id": rollout_id}).fetchone()
+        state = None if row is None else TokenRolloutState.from_row(row)
+        self._token_rows[rollout_id] = state
+        return state
+
+    def _project_tokens(self, event: Event) -> None:
+        """Fold a transport event into its rollout's row (and a put's entry row).  A put is
+        appended only for a call with no entry (``token_rules.put_entry``: else it is a no-op or
+        a conflict), so its entry row is inserted without a look (a second would break the key).
+        The rollout's row just read or written in this transaction is not read again."""
+        statements = self._sql.tokens
+        rollout_id = event.rollout_id
+        current = self._token_rows[rollout_id] if rollout_id in self._token_rows else self.token_rollout(rollout_id)
+        if event.kind is EventKind.TOKENS_PUT:
+            self._execute(statements.insert_entry, dict(zip(TOKEN_ENTRY_COLUMNS, token_entry_row(event), strict=True)))
+        folded = fold_token_rollout(current, event)
+        row = folded.to_row()
+        if current is None:
+            self._execute(statements.insert_rollout, row)
+        else:
+            row["b_rollout_id"] = rollout_id
+            self._execute(statements.update_rollout, row)
+        self._token_rows[rollout_id] = folded
 
     def _project_rollout(self, event: Event) -> None:
         current = self.rollout(event.rollout_id)
@@ -606,6 +662,7 @@ class WriteTransaction:
 
     def rollback_to(self, name: str) -> None:
         self._forget_all_ahead()
+        self._token_rows.clear()  # rows the failed caller read or wrote
         self._later = {}  # the failed caller's inserts never went out: they go with its savepoint
         self._copy_later = {}
         self._calls_later = {}

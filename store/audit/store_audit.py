@@ -53,6 +53,7 @@ from store.log.events import (
     TombstoneBody,
 )
 from store.projections.fold import Event
+from store.projections.tokens import TOKEN_STREAM
 from store.queries.integrity import DECODE_ERRORS, verified_event
 from store.queries.reads import record_fields, stored_columns
 from store.queries.replay import Folded, ReplayDifference, UnreadableRow, paused_gc, stored_rows, table_rows
@@ -544,6 +545,8 @@ class _Audit:
         self._compare(schema.cut_receipts, ("checkpoint_id", "inventory_digest"), self._row_problem)
         self._compare(schema.rollouts, ("rollout_id",), self._row_problem)
         self._compare(schema.workers, ("join_seq",), self._row_problem)
+        self._compare(schema.token_rollouts, ("rollout_id",), self._row_problem)
+        self._compare(schema.token_entries, ("rollout_id", "model_call_id"), self._row_problem)
 
     def _compare(
         self, table: sa.Table, key_columns: tuple[str, ...], report: Callable[[ReplayDifference], None]
@@ -586,6 +589,8 @@ class _Audit:
         """Rows of a call or key whose event is damaged (already one problem of its own)."""
         if table is schema.staged_keys:
             return key[0] in self.unreadable_keys
+        if table is schema.token_rollouts or table is schema.token_entries:  # a damaged transport event's rollout
+            return (key[0], TOKEN_STREAM) in self.unreadable_streams
         return table is schema.calls and key in self.unreadable_streams
 
     def _key_problem(self, difference: ReplayDifference) -> None:

@@ -31,6 +31,12 @@ class EventKind(enum.StrEnum):
     WORKER_JOINED = "worker_joined"
     WORKER_STOPPED = "worker_stopped"
     WORKER_LOST = "worker_lost"
+    # The complete-record transport (``store.transport``): Gym's TokenSink/TokenSource.
+    TOKENS_PUT = "tokens_put"
+    TOKENS_INTENT = "tokens_intent"
+    TOKENS_INCOMPLETE = "tokens_incomplete"
+    TOKENS_FROZEN = "tokens_frozen"
+    TOKENS_DROPPED = "tokens_dropped"
 
 
 RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, EventKind.CALL_COMPLETED})
@@ -38,6 +44,15 @@ RECORD_KINDS = frozenset({EventKind.PREFIX_STAGED, EventKind.CHUNK_STAGED, Event
 RETENTION_KINDS = frozenset({EventKind.ROLLOUT_RETIRED, EventKind.ROLLOUT_DELETED, EventKind.ROLLOUT_FORGOTTEN})
 LEDGER_KINDS = frozenset({EventKind.LEDGER_RECORDED, EventKind.LEDGER_FAILED})
 WORKER_KINDS = frozenset({EventKind.WORKER_JOINED, EventKind.WORKER_STOPPED, EventKind.WORKER_LOST})
+TOKEN_KINDS = frozenset(
+    {
+        EventKind.TOKENS_PUT,
+        EventKind.TOKENS_INTENT,
+        EventKind.TOKENS_INCOMPLETE,
+        EventKind.TOKENS_FROZEN,
+        EventKind.TOKENS_DROPPED,
+    }
+)
 
 # (start, end, version): delta positions [start, end) of the call's record were generated
 # by that policy version.  Carried prompt tokens belong to no span.
@@ -178,6 +193,42 @@ class WorkerBody(msgspec.Struct, kw_only=True):
     checkpoint_id: str | None = None
 
 
+class TokenPutBody(msgspec.Struct, kw_only=True):
+    """One complete record put through the transport: Gym's ``TokenEntry`` as canonical JSON
+    (sorted keys), byte for byte, and what the projection and the lineage resolver read of it
+    without parsing it again (each checked against ``payload`` when it was put, and by the audit)."""
+
+    model_call_id: str
+    payload: bytes
+    payload_digest: str  # SHA-256 of ``payload``: an identical re-put is a no-op, any other a conflict
+    token_digest: str | None = None  # the entry's own ``digest`` (Gym's token digest of its cumulative ids)
+    cum_len: int | None = None
+    parent_call_id: str | None = None
+    prompt_is_delta: bool = False
+    fingerprint: str = ""  # ``continuation_fingerprint``
+    fingerprint_version: int | None = None
+    context_len: int = 0
+    context_digest: str = ""
+
+
+class TokenCallBody(msgspec.Struct, kw_only=True):
+    """A call named by the transport: a pre-dispatch intent (``begin_call``) or a lost call
+    (``mark_incomplete``; the call may be empty)."""
+
+    model_call_id: str
+
+
+class TokenFrozenBody(msgspec.Struct, kw_only=True):
+    snapshot_id: str
+
+
+class TokenDroppedBody(msgspec.Struct, kw_only=True):
+    """The frozen snapshot a consumer retired (its id and version, as it consumed them)."""
+
+    snapshot_id: str
+    version: int
+
+
 BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.CALL_ADMITTED: AdmissionBody,
     EventKind.PREFIX_STAGED: RecordBody,
@@ -194,6 +245,11 @@ BODY_TYPES: dict[EventKind, type[msgspec.Struct]] = {
     EventKind.WORKER_JOINED: WorkerBody,
     EventKind.WORKER_STOPPED: WorkerBody,
     EventKind.WORKER_LOST: WorkerBody,
+    EventKind.TOKENS_PUT: TokenPutBody,
+    EventKind.TOKENS_INTENT: TokenCallBody,
+    EventKind.TOKENS_INCOMPLETE: TokenCallBody,
+    EventKind.TOKENS_FROZEN: TokenFrozenBody,
+    EventKind.TOKENS_DROPPED: TokenDroppedBody,
 }
 
 _ENCODER = msgspec.msgpack.Encoder()

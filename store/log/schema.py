@@ -22,9 +22,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0010"
+SCHEMA_REVISION = "0011"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008", "0009", "0010")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008", "0009", "0010", "0011")
 
 metadata = MetaData()
 
@@ -140,7 +140,47 @@ workers = Table(
     sqlite_with_rowid=False,
 )
 
-PROJECTION_TABLES = (staged_keys, calls, cut_receipts, rollouts, workers)
+# The complete-record transport (revision 0010, ``store.transport``): one row per rollout that
+# has a transport event, its observable version (the transport events folded so far), whether it
+# is frozen (and the snapshot's id), marked incomplete or dropped, and the calls whose
+# pre-dispatch intent no entry has answered yet (msgpack list, sorted).
+token_rollouts = Table(
+    "token_rollouts",
+    metadata,
+    Column("rollout_id", String, primary_key=True),
+    Column("version", BigInteger, nullable=False),
+    Column("frozen", Integer, nullable=False),
+    Column("snapshot_id", String, nullable=True),
+    Column("incomplete", Integer, nullable=False),
+    Column("dropped", Integer, nullable=False),
+    Column("entries", BigInteger, nullable=False),
+    Column("open_intents", LargeBinary, nullable=False),
+    Column("last_seq", BigInteger, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+# One row per entry put: where its event is, its payload's digest (an identical re-put is a
+# no-op) and the lineage fields the resolver matches on without reading the payload.
+token_entries = Table(
+    "token_entries",
+    metadata,
+    Column("rollout_id", String, nullable=False),
+    Column("model_call_id", String, nullable=False),
+    Column("event_seq", BigInteger, nullable=False),
+    Column("payload_digest", String(64), nullable=False),
+    Column("token_digest", String(64), nullable=True),
+    Column("cum_len", BigInteger, nullable=True),
+    Column("parent_call_id", String, nullable=True),
+    Column("prompt_is_delta", Integer, nullable=False),
+    Column("fingerprint", String, nullable=False),
+    Column("fingerprint_version", BigInteger, nullable=True),
+    Column("context_len", BigInteger, nullable=False),
+    Column("context_digest", String, nullable=False),
+    PrimaryKeyConstraint("rollout_id", "model_call_id", name="pk_token_entries"),
+    sqlite_with_rowid=False,
+)
+
+PROJECTION_TABLES = (staged_keys, calls, cut_receipts, rollouts, workers, token_rollouts, token_entries)
 
 # Log shipping (store.shipping): not projections of the log, bookkeeping written with it.
 store_identity = Table(

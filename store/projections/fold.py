@@ -18,6 +18,7 @@ from store.log.events import (
     LEDGER_KINDS,
     RECORD_KINDS,
     RETENTION_KINDS,
+    TOKEN_KINDS,
     WORKER_KINDS,
     AdmissionBody,
     CutReceiptBody,
@@ -192,7 +193,12 @@ TERMINAL_STATES = frozenset({"completed", "failed"})
 
 
 def affects_call(kind: EventKind) -> bool:
-    return kind is not EventKind.CUT_RECEIPT and kind not in ROLLOUT_KINDS and kind not in WORKER_KINDS
+    return (
+        kind is not EventKind.CUT_RECEIPT
+        and kind not in ROLLOUT_KINDS
+        and kind not in WORKER_KINDS
+        and kind not in TOKEN_KINDS
+    )
 
 
 def fenced_kind(kind: EventKind) -> bool:

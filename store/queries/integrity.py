@@ -8,6 +8,7 @@ are reported as ``CorruptRecordError`` naming the event, never as a raw decoding
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import sqlite3
 from collections.abc import Mapping
@@ -17,8 +18,17 @@ import msgspec
 
 from store.errors import CorruptRecordError
 from store.log.checksum import event_checksum
-from store.log.events import RECORD_KINDS, CutReceiptBody, EventKind, RecordBody, decode_body
+from store.log.events import (
+    RECORD_KINDS,
+    TOKEN_KINDS,
+    CutReceiptBody,
+    EventKind,
+    RecordBody,
+    TokenPutBody,
+    decode_body,
+)
 from store.projections.fold import RECEIPT_STREAM, Event, filled
+from store.projections.tokens import TOKEN_STREAM
 
 # What decoding damaged bytes can raise (msgspec's errors derive from ValueError; listed for clarity).
 DECODE_ERRORS = (
@@ -99,11 +109,24 @@ def _inconsistency(event: Event, values: Mapping[Any, Any]) -> str | None:
         return None
     if event.staging_key is not None or columns != (None, None, None):
         return f"a {event.kind.value} event with a staging key or token columns"
+    if event.kind in TOKEN_KINDS:
+        return _token_inconsistency(event)
     if event.kind is EventKind.CUT_RECEIPT:
         assert isinstance(body, CutReceiptBody)
         if (event.rollout_id, event.model_call_id) != (RECEIPT_STREAM, body.checkpoint_id):
             stream = f"{event.rollout_id}/{event.model_call_id}"
             return f"the receipt of checkpoint {body.checkpoint_id!r} on stream {stream}"
+    return None
+
+
+def _token_inconsistency(event: Event) -> str | None:
+    """A transport event off its rollout's transport stream, or a put whose payload is not the
+    one its digest names (the digest decides idempotency: it must be the payload's)."""
+    if event.model_call_id != TOKEN_STREAM:
+        return f"a {event.kind.value} event on stream {event.rollout_id}/{event.model_call_id}"
+    body = event.body
+    if isinstance(body, TokenPutBody) and hashlib.sha256(body.payload).hexdigest() != body.payload_digest:
+        return f"the entry of call {body.model_call_id!r} does not match its payload digest"
     return None
 
 

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from store.errors import CorruptRecordError
 from store.log import schema
 from store.log.engine import Backend, driver_errors, storage_error
-from store.log.events import RECORD_KINDS, WORKER_KINDS, EventKind
+from store.log.events import RECORD_KINDS, TOKEN_KINDS, WORKER_KINDS, EventKind, TokenPutBody
 from store.projections.fold import (
     CALL_ROW_COLUMNS,
     ROLLOUT_KINDS,
@@ -33,6 +33,7 @@ from store.projections.fold import (
     staged_key_row,
     worker_key,
 )
+from store.projections.tokens import TokenRolloutState, fold_token_rollout, token_entry_row
 from store.queries.integrity import undecodable_text, verified_event
 
 _MAX_DIFFERENCES = 50
@@ -218,7 +219,7 @@ assert _KEY_KINDS <= _CALL_KINDS and not (_CALL_KINDS & (ROLLOUT_KINDS | WORKER_
 class Folded:
     """The projections rebuilt from the log by the same folds the write path runs."""
 
-    __slots__ = ("calls", "keys", "receipts", "rollouts", "workers")
+    __slots__ = ("calls", "keys", "receipts", "rollouts", "token_entries", "token_rollouts", "workers")
 
     def __init__(self) -> None:
         self.calls: dict[tuple[str, str], CallState] = {}
@@ -228,6 +229,8 @@ class Folded:
         self.receipts: dict[tuple[str, str], int] = {}
         self.rollouts: dict[str, RolloutState] = {}
         self.workers: dict[int, WorkerState] = {}
+        self.token_rollouts: dict[str, TokenRolloutState] = {}
+        self.token_entries: dict[tuple[str, str], tuple[Any, ...]] = {}  # rows by primary key
 
     def fold(self, event: Event) -> None:
         """Fold one event into every projection it touches."""
@@ -255,6 +258,22 @@ class Folded:
             worker = worker_key(event)
             if worker is not None:
                 self.workers[worker] = fold_worker(self.workers.get(worker), event)
+        elif kind in TOKEN_KINDS:
+            self._fold_tokens(event)
+
+    def _fold_tokens(self, event: Event) -> None:
+        """A transport event: its rollout's row, and a put's entry row (the first put of a call;
+        the append writes no other)."""
+        new_entry = True
+        if event.kind is EventKind.TOKENS_PUT:
+            body = event.body
+            assert isinstance(body, TokenPutBody)
+            key = (event.rollout_id, body.model_call_id)
+            new_entry = key not in self.token_entries
+            if new_entry:
+                self.token_entries[key] = token_entry_row(event)
+        current = self.token_rollouts.get(event.rollout_id)
+        self.token_rollouts[event.rollout_id] = fold_token_rollout(current, event, new_entry=new_entry)
 
     def row_tuples(self, table: sa.Table) -> dict[tuple[Any, ...], tuple[Any, ...]]:
         """One table's rebuilt rows as tuples in column order (the live tables' form); its
@@ -271,6 +290,11 @@ class Folded:
             return {ident: ordered(receipt_row(ident, seq)) for ident, seq in self.receipts.items()}
         if name == "rollouts":
             return {(key,): ordered(state.to_row()) for key, state in self.rollouts.items()}
+        if name == "token_rollouts":
+            return {(key,): state.row_values() for key, state in self.token_rollouts.items()}
+        if name == "token_entries":
+            entries, self.token_entries = self.token_entries, {}
+            return entries
         assert name == "workers", name
         return {(key,): ordered(state.to_row()) for key, state in self.workers.items()}
 
@@ -279,6 +303,7 @@ class Folded:
 # tables' columns must be in that order.
 assert [column.name for column in schema.staged_keys.c] == ["staging_key", *KeyState.__dataclass_fields__]
 assert tuple(column.name for column in schema.calls.c) == CALL_ROW_COLUMNS
+assert tuple(column.name for column in schema.token_rollouts.c) == tuple(TokenRolloutState.__dataclass_fields__)
 
 
 def key_row(key: str, state: KeyState) -> dict[str, Any]:
@@ -295,6 +320,8 @@ _PRIMARY_KEYS = {
     "cut_receipts": ("checkpoint_id", "inventory_digest"),
     "rollouts": ("rollout_id",),
     "workers": ("join_seq",),
+    "token_rollouts": ("rollout_id",),
+    "token_entries": ("rollout_id", "model_call_id"),
 }
 
 # The comparison holds each projection row as a tuple in column order (what the driver's

@@ -92,6 +92,11 @@ class RetentionStatements:
             engine,
         )
         self.delete_calls = Statement(sa.delete(calls).where(calls.c.rollout_id == sa.bindparam("rollout_id")), engine)
+        # The complete-record transport's rows of the capture key (its tokens_* events go with the rest).
+        self.delete_token_tables = [
+            Statement(sa.delete(table).where(table.c.rollout_id == sa.bindparam("rollout_id")), engine)
+            for table in (schema.token_entries, schema.token_rollouts)
+        ]
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,8 @@ def delete(
             for staging_key in gone.keys:
                 tx.run(sql.delete_key, {"staging_key": staging_key, "rollout_id": key})
             tx.run(sql.delete_calls, {"rollout_id": key})
+            for statement in sql.delete_token_tables:
+                tx.run(statement, {"rollout_id": key})
         removed.append(key)
     return RolloutRemoval(removed=removed, absent=absent)
 

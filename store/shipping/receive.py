@@ -17,11 +17,12 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from store.append import token_rules
 from store.append.new_event import NewEvent
 from store.append.staging_rules import owned_key, stage_refusal
 from store.append.statements import copy_insert, receipt_lookup_statement, unnest_insert
 from store.append.transaction import COPY_MIN_ROWS, WriteTransaction
-from store.errors import StoreError
+from store.errors import EntryConflictError, RolloutDroppedError, RolloutFrozenError, StoreError
 from store.log import schema
 from store.log.engine import Statement
 from store.log.events import (
@@ -396,6 +397,12 @@ def _apply(
                 f"checkpoint {body.checkpoint_id!r} already has another receipt for inventory "
                 f"{body.inventory_digest[:16]}... in the target"
             )
+    elif new.kind is EventKind.TOKENS_PUT:
+        # The transport's rules, as its put applies them: an identical entry here writes nothing.
+        try:
+            token_rules.put_entry(tx, new)
+        except (EntryConflictError, RolloutFrozenError, RolloutDroppedError) as refused:
+            return str(refused)
     else:  # admissions and failures are appended as they come, as the capture appends them
         tx.append(new)
     return tx.last_seq if tx.appended > before else None
