@@ -140,7 +140,7 @@ workers = Table(
     sqlite_with_rowid=False,
 )
 
-# The complete-record transport (revision 0010, ``store.transport``): one row per rollout that
+# The complete-record transport (revision 0011, ``store.transport``): one row per rollout that
 # has a transport event, its observable version (the transport events folded so far), whether it
 # is frozen (and the snapshot's id), marked incomplete or dropped, and the calls whose
 # pre-dispatch intent no entry has answered yet (msgpack list, sorted).
