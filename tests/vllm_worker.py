@@ -15,7 +15,8 @@ decoding only the rest from prompt + restored prefix, then decode ``c2``.  ``c``
 no cut reached, is decoded again under ``c-a1`` with ``c/c0`` (staged by attempt 0) as its parent.
 Then the same rollouts decode without interruption as ``ref-a``, ``ref-b``, ``ref-c``
 (``reference``), and a call ``t/c0`` is cut from a second thread while it decodes freely and
-completes (``thread_cut``); a call with a stop token ends on it (``stop``).  It reports ``done``, and
+completes (``thread_cut``); a call with a stop token ends on it (``stop``); a prompt longer than the model takes is
+``capture_failed`` (``too_long``).  It reports ``done``, and
 exits after a line on stdin.
 """
 
@@ -200,6 +201,11 @@ async def resume(path: str, model: str) -> None:
         emit("reference")
         emit("thread_cut", **await thread_cut(capture, engine))
         emit("stop", **await stop_token(capture, engine))
+        call = capture.begin_call(CaptureAdmission(rollout_id="long", model_call_id="c0", mode="text"))
+        capture.track(call, prompt_token_ids=[7] * 5000, effective_output_limit=8)  # max_model_len is 4096
+        coords = await engine.decode(capture, call)
+        info = store.call("long", "c0")
+        emit("too_long", disposition=coords.disposition, state=info and info.state)
         capture.close()
     emit("done", pid=os.getpid())
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)

@@ -152,7 +152,8 @@ class VllmEngine:
         logprobs)`` runs after each delta is observable by a cut (an awaitable it returns is
         awaited: the call's tokens are not observed further meanwhile, while vLLM decodes on).
         A continued call whose cut had finished decodes nothing.  Raises ``CaptureDataError``
-        when vLLM's output carries no log-prob for a token (the request is aborted).
+        when vLLM refuses the request's data (a ``ValueError``: a prompt longer than the model
+        takes, say) or its output carries no log-prob for a token (the request is aborted).
         """
         _, TokensPrompt, _ = _vllm()
         plan = decoding_plan(capture, call)
@@ -188,6 +189,12 @@ class VllmEngine:
                     stream.generated_logprobs.append(logprob)
                 if on_tokens is not None and ids:
                     await _told(on_tokens, ids, logprobs)
+        except CaptureDataError:
+            live.detach(None)
+            raise
+        except ValueError as exc:  # vLLM's refusal of this request's data (a prompt that does not fit, ...)
+            live.detach(None)
+            raise CaptureDataError(f"vLLM refused the request: {exc}") from exc
         except BaseException:
             live.detach(None)  # what was decoded is observed; the error is the caller's
             raise
@@ -209,8 +216,8 @@ class VllmEngine:
         on_tokens: OnTokens | None = None,
         **sampling: Any,
     ) -> CommitCoords:
-        """``generate``, then complete the call from what was observed; a request vLLM did not
-        finish, or whose output cannot be read, gives ``capture_failed`` coordinates."""
+        """``generate``, then complete the call from what was observed; a request vLLM refused
+        or did not finish, or whose output cannot be read, gives ``capture_failed`` coordinates."""
         try:
             finish = await self.generate(capture, call, request_id=request_id, on_tokens=on_tokens, **sampling)
         except CaptureDataError as exc:
