@@ -15,7 +15,8 @@ request decodes its whole budget) twice, in alternating order:
   delta observable by a cut, completed (staged) at its end; a thread serves a cut of every
   call in flight every 0.5 s (one durable commit each), as a control route would.
 
-The figure is output tokens per second over the block's wall time; the ratio is captured / bare
+The figure is output tokens per second over the block's wall time (beside it, the worker
+process's CPU seconds per block: vLLM's engine process is not in it); the ratio is captured / bare
 per round (target >= 0.97x on the median).  vLLM decodes in its engine process, so the store's
 Python runs beside the decode loop, not in it.  On a machine shared with other work the
 spread is wide: compare the per-round ratios, not the absolute figures.  Needs vLLM (``pip
@@ -134,10 +135,12 @@ async def run(args: Any, folder: str, report: Report) -> None:
         await bare(engine, args.concurrency, 16, -1)  # warm up
         bare_rates: list[float] = []
         captured_rates: list[float] = []
+        cpu: dict[str, list[float]] = {"bare": [], "captured": []}
         cut_seconds: list[float] = []
         for number in range(args.rounds):
             order = ["bare", "captured"] if number % 2 == 0 else ["captured", "bare"]
             for kind in order:
+                cpu_before = time.process_time()
                 if kind == "bare":
                     seconds, count = await bare(engine, args.concurrency, args.tokens, number)
                     bare_rates.append(count / seconds)
@@ -145,6 +148,7 @@ async def run(args: Any, folder: str, report: Report) -> None:
                     path = os.path.join(folder, f"round-{number}.db")
                     seconds, count = await captured(engine, args.concurrency, args.tokens, path, cut_seconds)
                     captured_rates.append(count / seconds)
+                cpu[kind].append(time.process_time() - cpu_before)
                 assert count == args.concurrency * args.tokens, count
     finally:
         engine.shutdown()
@@ -159,9 +163,13 @@ async def run(args: Any, folder: str, report: Report) -> None:
             ["captured output tokens/s", *(f"{f(captured_rates):.0f}" for f in summary)],
             ["ratio captured/bare per round", *(f"{f(ratios):.3f}x" for f in summary)],
             [f"cut of every call in flight, every {CUT_INTERVAL} s (ms)", *cut_ms],
+            ["worker process CPU s per block, bare", *(f"{f(cpu['bare']):.2f}" for f in summary)],
+            ["worker process CPU s per block, captured", *(f"{f(cpu['captured']):.2f}" for f in summary)],
         ],
     )
-    report.results.update(bare_rates=bare_rates, captured_rates=captured_rates, ratios=ratios, cut_s=cut_seconds)
+    report.results.update(
+        bare_rates=bare_rates, captured_rates=captured_rates, ratios=ratios, cut_s=cut_seconds, worker_cpu_s=cpu
+    )
     report.targets.append(Target("captured_vs_bare_tokens_per_s", statistics.median(ratios), ">=", TARGET_RATIO))
 
 

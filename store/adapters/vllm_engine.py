@@ -61,6 +61,16 @@ def _vllm() -> Any:
     return SamplingParams, TokensPrompt, RequestOutputKind
 
 
+def _request_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request's own data: ``VLLMClientError`` (its 4xx errors, such as
+    a prompt longer than the model takes) where it has one, ``ValueError`` in every release."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
 def build_async_llm(model: str | os.PathLike[str], **engine_args: Any) -> Any:
     """An ``AsyncLLM`` for ``model`` (a path or a Hub name), with CPU-friendly defaults that
     ``engine_args`` (any ``AsyncEngineArgs`` field) override: ``seed=0``, ``max_model_len=4096``,
@@ -152,8 +162,8 @@ class VllmEngine:
         logprobs)`` runs after each delta is observable by a cut (an awaitable it returns is
         awaited: the call's tokens are not observed further meanwhile, while vLLM decodes on).
         A continued call whose cut had finished decodes nothing.  Raises ``CaptureDataError``
-        when vLLM refuses the request's data (a ``ValueError``: a prompt longer than the model
-        takes, say) or its output carries no log-prob for a token (the request is aborted).
+        when vLLM refuses the request's data (its ``VLLMClientError`` or a ``ValueError``: a
+        prompt longer than the model takes, say) or its output carries no log-prob for a token (the request is aborted).
         """
         _, TokensPrompt, _ = _vllm()
         plan = decoding_plan(capture, call)
@@ -192,7 +202,7 @@ class VllmEngine:
         except CaptureDataError:
             live.detach(None)
             raise
-        except ValueError as exc:  # vLLM's refusal of this request's data (a prompt that does not fit, ...)
+        except _request_errors() as exc:  # vLLM's refusal of this request's data (a prompt that does not fit, ...)
             live.detach(None)
             raise CaptureDataError(f"vLLM refused the request: {exc}") from exc
         except BaseException:
