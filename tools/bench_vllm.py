@@ -11,8 +11,8 @@ request decodes its whole budget) twice, in alternating order:
 * bare: ``AsyncLLM.generate`` with the same ``SamplingParams`` the engine uses (``logprobs=0``,
   no detokenizing, DELTA outputs), each delta's ids and log-probs appended to lists, as a
   server answering them would;
-* captured: ``VllmEngine.decode`` on a fresh store file: each request admitted, tracked, every
-  delta observable by a cut, completed (staged) at its end; a thread serves a cut of every
+* captured: ``VllmEngine.admit`` and ``VllmEngine.decode`` on a fresh store file: each request
+  admitted and tracked, every delta observable by a cut, completed (staged) at its end; a thread serves a cut of every
   call in flight every 0.5 s (one durable commit each), as a control route would.
 
 The figure is output tokens per second over the block's wall time (beside it, the worker
@@ -106,8 +106,8 @@ async def captured(
 
         async def one(index: int) -> int:
             key = f"r{index}"
-            call = capture.begin_call(CaptureAdmission(rollout_id=key, model_call_id="c0", mode="text"))
-            capture.track(call, prompt_token_ids=prompt(index), effective_output_limit=tokens)
+            admission = CaptureAdmission(rollout_id=key, model_call_id="c0", mode="text")
+            call = await engine.admit(capture, admission, prompt_token_ids=prompt(index), effective_output_limit=tokens)
             live[key] = call
             coords = await engine.decode(capture, call, seed=index, **SAMPLING)
             del live[key]
