@@ -132,7 +132,7 @@ async def run(args: Any, folder: str, report: Report) -> None:
 
     model = os.path.join(folder, "tiny-llama")
     tiny_llama(0, hidden_size=128, heads=2).save_pretrained(model)
-    engine = VllmEngine(build_async_llm(model, skip_tokenizer_init=True, max_model_len=1024))
+    engine = VllmEngine(build_async_llm(model, skip_tokenizer_init=True, max_model_len=args.tokens + 64))
     try:
         await bare(engine, args.concurrency, 16, -1)  # warm up
         bare_rates: list[float] = []
