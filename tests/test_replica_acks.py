@@ -173,6 +173,32 @@ def test_two_hosts_from_one_template_file_do_not_share_acknowledgements(tmp_path
     assert not any(key.startswith("b/") for key in keys), keys
 
 
+def test_a_worker_overtaken_by_another_store_with_its_id_is_refused(tmp_path: Path) -> None:
+    """Both copies of one template file ship: the one whose batch finds the replica's resume point
+    moved past its own, at an event that is not its own, is refused in that batch's transaction;
+    the other goes on."""
+    template, replica = str(tmp_path / "template.db"), str(tmp_path / "replica.db")
+    with open_store(template) as store:
+        store.stage(make_record(rollout_id="template", model_call_id="c0"))
+    host_a, host_b = str(tmp_path / "a.db"), str(tmp_path / "b.db")
+    shutil.copyfile(template, host_a)
+    shutil.copyfile(template, host_b)
+    with replicated(host_a, replica, wait=0.5) as a, replicated(host_b, replica) as b:
+        assert a.replicate(wait=10.0) and b.replicate(wait=10.0)  # one history so far: both ship
+        for n in range(3):
+            b.stage(make_record(rollout_id="b", model_call_id=f"c{n}"))
+        assert b.replicate(wait=10.0)
+        a.stage(make_record(rollout_id="a", model_call_id="c0"))
+        assert a.replicate(wait=0.5) is False
+        error = a._replication().last_error
+        assert error is not None and ("not this store's" in error or "differ" in error), error
+        b.stage(make_record(rollout_id="b", model_call_id="c9"))
+        assert b.replicate(wait=10.0)
+    keys = replica_keys(replica)
+    assert {"template/c0", "b/c0", "b/c1", "b/c2", "b/c9"} <= keys
+    assert "a/c0" not in keys
+
+
 def test_a_manual_ship_of_a_diverged_log_stops_with_a_problem(tmp_path: Path) -> None:
     """``Store.ship`` into a target that holds a different history of this store id reports it
     (``diverged``) and writes nothing."""

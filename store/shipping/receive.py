@@ -174,19 +174,24 @@ def receive(
     target_store_id: str,
     items: list[Shippable],
     resume_at: int | None = None,
+    ours: Callable[[int, bytes | None], bool] | None = None,
 ) -> Received:
     """Apply ``items`` (in source order) in the target's write transaction; a batch of many goes
     out as COPY on PostgreSQL (``WriteTransaction.bulk``), a small one (a cut's receipt) as
-    statements sent with the COMMIT (a COPY waits for the server twice).  ``ResumePointMoved``
-    when the target's resume point is not ``resume_at`` (the shipper's own: where its last
-    batch ended); without one, the events up to the target's resume point are skipped (another
-    ship of this source sent them: the ship checked the resume point against its log first).
+    statements sent with the COMMIT (a COPY waits for the server twice).
+
+    ``resume_at``: where the shipper's last batch left the target's resume point.  A lower one
+    raises ``ResumePointMoved`` (the target lost events); a higher one (another shipper of
+    this store id went ahead: a forked worker's, another process on the same file) is checked
+    with ``ours(seq, checksum)``, whether this source's event at that seq is the one the target
+    was sent: ``LogDiverged`` if not, else the events up to it are skipped, as they are without
+    ``resume_at`` (the ship checked the resume point against its log when it read it).
     An ``Unverified`` item is verified just before its turn: the batch stops at the first that
     fails (``Received.unshippable``), the ones before it commit."""
     if len(items) < COPY_MIN_ROWS:
-        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at)
+        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at, ours)
     with tx.bulk():
-        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at)
+        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at, ours)
 
 
 def _receive(
@@ -196,6 +201,7 @@ def _receive(
     target_store_id: str,
     items: list[Shippable],
     resume_at: int | None,
+    ours: Callable[[int, bytes | None], bool] | None,
 ) -> Received:
     received = Received()
     # One round trip (PostgreSQL) for every read the batch makes before its first append: the
@@ -228,7 +234,13 @@ def _receive(
     found = _read_ahead(tx, items, reads, verify_ahead)
     known = None if not found[0] else int(found[0][0][0])
     if resume_at is not None and (known or 0) != resume_at:
-        raise ResumePointMoved(resume_at, known)
+        if known is None or known < resume_at or ours is None:
+            raise ResumePointMoved(resume_at, known)
+        if not ours(known, _checksum(found[0][0][1])):
+            raise LogDiverged(
+                f"the target's resume point for store {source_store_id} moved to {known}, past this "
+                "shipper's, at an event that is not this store's"
+            )
     for origin_id, rows in zip(by_origin, found[1 : 1 + len(by_origin)], strict=True):
         here.update((origin_id, int(row[0])) for row in rows)
     # Each receipt's lookup (whether one of its inventory stands, its stream's fence and last

@@ -173,8 +173,19 @@ def ship_log(
         there = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False)
         if there.seq != start:
             raise ResumePointMoved(start, there.seq)
+
+    def ours(seq: int, checksum: bytes | None) -> bool:
+        """Whether this store's event ``seq`` is the one the target's resume point names (asked
+        in the target's transaction: another shipper of this store id moved it)."""
+        with source.connection("reading the log to ship") as connection:
+            mine, last = checksum_at(connection, seq), last_seq(connection)
+            connection.rollback()
+        return seq <= last and (checksum is None or mine is None or mine == checksum)
+
     send = _Sender(
-        lambda items, at: _ship_batch(target, statements, source_id, target_id, items, at if exact else None),
+        lambda items, at: _ship_batch(
+            target, statements, source_id, target_id, items, at if exact else None, ours if exact else None
+        ),
         tally,
         progress,
         # At most one chunk to ship (seqs only grow): its one batch is written by this thread, no
@@ -409,12 +420,13 @@ def _ship_batch(
     target_id: str,
     items: list[Shippable],
     resume_at: int | None = None,
+    ours: Callable[[int, bytes | None], bool] | None = None,
 ) -> tuple[Received, ShipProblem | None]:
     """Apply ``items`` in one target transaction; a refusal ships the events before it, then
     reports it, as does an unverified item that fails verification (``Received.unshippable``)."""
 
     def work(chosen: list[Shippable]) -> Callable[[WriteTransaction], Received]:
-        return lambda tx: receive(tx, statements, source_id, target_id, chosen, resume_at)
+        return lambda tx: receive(tx, statements, source_id, target_id, chosen, resume_at, ours)
 
     if not items:
         return Received(), None
