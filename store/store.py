@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -21,6 +22,7 @@ from store.errors import (
     AttachmentsUnsupportedError,
     InvalidRecordError,
     ReadOnlyStoreError,
+    ReplicaUnavailableError,
     StagingRefusedError,
     StoreClosedError,
 )
@@ -276,6 +278,10 @@ class Store(LogShipping, DurabilityDomain):
     def _stage_unless_served(
         self, entries: Sequence[StageEntry], checkpoint_id: str, inventory_digest: str
     ) -> StageResults:
+        """``_unless_served`` as an operation of its own (a replicated cut's)."""
+        return self._unless_served(entries, checkpoint_id, inventory_digest)
+
+    def _unless_served(self, entries: Sequence[StageEntry], checkpoint_id: str, inventory_digest: str) -> StageResults:
         """``stage_all(entries)`` for a replicated cut's chunks, unless a receipt of that inventory
         is in the log already: then it stands, and nothing is written (``receipt_recorded``
         False, no results).  The look is in the chunks' own transaction, not a read before."""
@@ -317,11 +323,33 @@ class Store(LogShipping, DurabilityDomain):
         generation cuts, whose acknowledgements must all hold before any is sealed.  When a
         receipt of the same inventory is in the log already, it stands and nothing is written
         (``receipt_recorded`` False, no results).
+
+        In the replicated domain a cut receipt is recorded only once the records it names are in
+        the replica: the entries commit first (one transaction), then, once the entries and
+        every ``acknowledged`` key are in the replica, the receipt (a second one), and the call
+        returns once the receipt is there too, all within ``replica_wait``.  Past it,
+        ``ReplicaUnavailableError`` (``.results``: the entries' results): the records are kept
+        here, and the receipt too if it was recorded; calling again with the same arguments
+        waits again.
         """
         required = arguments.texts("acknowledged", acknowledged)
+        entries = arguments.sequence_of("entries", entries, StageEntry)
+        if cut_receipt is not None and self._replicator is not None:
+            return self._stage_all_replicated(entries, arguments.cut_receipt(cut_receipt), required)
+        return self._stage_all(entries, cut_receipt, required)
+
+    @operation
+    def _stage_receipt(self, cut_receipt: tuple[str, str, bytes], acknowledged: Sequence[str]) -> StageResults:
+        """A replicated cut's receipt, its records in the replica already (``CutServer`` waited)."""
+        return self._stage_all([], cut_receipt, acknowledged)
+
+    def _stage_all(
+        self, entries: Sequence[StageEntry], cut_receipt: tuple[str, str, bytes] | None, required: Sequence[str]
+    ) -> StageResults:
+        """``stage_all`` in one transaction (its arguments checked)."""
         events = [
             self._record_event(entry.record, entry.staging_key, entry.kind, entry.spans, entry.completion)
-            for entry in arguments.sequence_of("entries", entries, StageEntry)
+            for entry in entries
         ]
         staged_here = {event.staging_key for event in events}  # hold their records once staged
         receipt_event = None
@@ -370,6 +398,63 @@ class Store(LogShipping, DurabilityDomain):
             ]
             if terminal:
                 self._replicate_terminal(terminal, f"{len(terminal)} terminal record(s) of stage_all")
+        return results
+
+    def _stage_all_replicated(
+        self, entries: Sequence[StageEntry], cut_receipt: tuple[str, str, bytes], acknowledged: Sequence[str]
+    ) -> StageResults:
+        """``stage_all`` with a cut receipt in the replicated domain: the entries, then (once they
+        and every acknowledged key are in the replica) the receipt, then its ship; all within
+        ``replica_wait``, else ``ReplicaUnavailableError`` with the entries' results."""
+        replicator = self._replication()
+        wait = self._domain.replica_wait
+        deadline = time.monotonic() + wait
+        checkpoint_id, inventory_digest, _ = cut_receipt
+        results = self._unless_served(entries, checkpoint_id, inventory_digest)
+        if results.receipt_recorded is False:
+            return self._standing(results, checkpoint_id, deadline)
+        staged = [result.staging_key for result in results if result.staging_key is not None]
+        keys = list(dict.fromkeys([*staged, *acknowledged]))
+        there = self._keys_in_replica(keys, deadline, results._last_seq, staged)
+        missing = [key for key in keys if key not in there]
+        where = f"the replica {self._domain.replica} within replica_wait={wait:g} s"
+
+        def reason() -> str:
+            return replicator.last_error or f"the replica did not answer within {wait:g} s"
+
+        if missing:
+            raise ReplicaUnavailableError(
+                f"stage_all: staged here, but key {missing[0]!r} did not reach {where} ({reason()}); no receipt "
+                "was recorded (a replicated receipt is recorded once its records are in the replica): "
+                "stage_all again once the replica answers",
+                results,
+            )
+        recorded = self._stage_all([], cut_receipt, acknowledged)
+        if recorded.receipt_recorded is False:
+            return self._standing(recorded, checkpoint_id, deadline)  # recorded by another caller meanwhile
+        receipt_seq = recorded._last_seq
+        if receipt_seq is not None and not replicator.reach(receipt_seq, deadline):
+            raise ReplicaUnavailableError(
+                f"stage_all: the receipt of {checkpoint_id!r} was recorded here but did not reach {where} "
+                f"({reason()}); it ships once the replica answers (stage_all again waits for it)",
+                results,
+            )
+        results.receipt_recorded = True
+        results._last_seq = receipt_seq
+        return results
+
+    def _standing(self, results: StageResults, checkpoint_id: str, deadline: float) -> StageResults:
+        """That inventory's receipt stands (nothing was written): returned once everything
+        committed here, the receipt included, is in the replica."""
+        replicator = self._replication()
+        if not replicator.reach(replication.head(self._reader), deadline):
+            reason = replicator.last_error or "it did not answer in time"
+            raise ReplicaUnavailableError(
+                f"stage_all: the receipt of {checkpoint_id!r} is recorded here but is not in the replica "
+                f"{self._domain.replica} within replica_wait={self._domain.replica_wait:g} s ({reason}); "
+                "it ships once the replica answers",
+                results,
+            )
         return results
 
     def _record_event(

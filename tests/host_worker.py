@@ -5,7 +5,10 @@
         Opens its local store (on the host's tmpfs) in the replicated domain, stages the root of
         ROLLOUT and admits NCALLS live child calls, then reads commands, one a line:
           decode N      every live call decodes up to generated position N    -> ``OK``
-          cut NAME      serves a cut naming every live call -> ``RECEIPT <json> <domain>``
+          cut NAME      serves a cut naming every live call -> ``RECEIPT <json> <domain>``; a cut
+                        refused because its receipt did not reach the replica in time gives what
+                        Gym makes of a refused cut, every call ``durable_failure``, with domain
+                        ``refused``
           replicate S   waits S seconds at most for the replica   -> ``REPLICATED True|False``
           exit          closes the store                           -> ``BYE``
     python tests/host_worker.py continue REPLICA_URL ROLLOUT CALL...
@@ -22,7 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import replica_helpers as rh
 
-from store import open_store, to_json
+from store import (
+    GenerationCutError,
+    GenerationCutInventory,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    open_store,
+    to_json,
+)
 
 
 def emit(line: str) -> None:
@@ -47,7 +57,14 @@ def serve(path: str, replica: str, rollout: str, ncalls: int, wait: float) -> in
             decoded = max(decoded, upto)
             emit("OK")
         elif command == "cut":
-            receipt = capture.serve_generation_cut(rh.inventory(argument, calls, rollout))
+            inventory = rh.inventory(argument, calls, rollout)
+            try:
+                receipt = capture.serve_generation_cut(inventory)
+            except GenerationCutError as exc:
+                if exc.code != "replica_unavailable":
+                    raise
+                emit(f"RECEIPT {to_json(refused(inventory)).decode()} refused")
+                continue
             domain = store.cut_domain(receipt.checkpoint_id, receipt.inventory_digest)
             emit(f"RECEIPT {to_json(receipt).decode()} {domain}")
         elif command == "replicate":
@@ -60,6 +77,29 @@ def serve(path: str, replica: str, rollout: str, ncalls: int, wait: float) -> in
         else:
             emit(f"UNKNOWN {command}")
     return 0
+
+
+def refused(inventory: GenerationCutInventory) -> GenerationCutReceipt:
+    """What Gym makes of a refused cut: every call of the inventory ``durable_failure``."""
+    acks = [
+        GenerationCutPrefixAck(
+            ticket_id=prefix.ticket_id,
+            rollout_id=prefix.rollout_id,
+            attempt_index=prefix.attempt_index,
+            model_call_id=prefix.model_call_id,
+            admitted_at=prefix.admitted_at,
+            disposition="durable_failure",
+        )
+        for prefix in inventory.active_prefixes
+    ]
+    return GenerationCutReceipt(
+        checkpoint_id=inventory.checkpoint_id,
+        cut_id=f"worker-{inventory.inventory_digest}",
+        inventory_digest=inventory.inventory_digest,
+        inventory=inventory,
+        backend_snapshot_id=f"tq-{inventory.inventory_digest}",
+        prefixes=tuple(acks),
+    )
 
 
 def continue_calls(replica: str, rollout: str, calls: list[int]) -> int:

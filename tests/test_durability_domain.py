@@ -212,20 +212,36 @@ def test_a_replica_whose_resume_point_went_back_is_shipped_from_its_own(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The replicator starts each ship at its own watermark without asking; a replica restored to
-    an older state (its resume point lower) is found in the batch's transaction and caught up."""
+    an older state (its resume point lower: here a copy taken before the first cut, put back
+    with SQLite's backup API) is found in the batch's transaction and caught up."""
     import sqlite3
 
+    def copy(source: str, target: str) -> None:
+        reading, writing = sqlite3.connect(source), sqlite3.connect(target)
+        try:
+            reading.backup(writing)
+        finally:
+            writing.close()
+            reading.close()
+
     replica = replica_path(tmp_path)
+    backup = str(tmp_path / "replica-backup.db")
     with open_store(tmp_path / "w.db", replica=replica, domain="replicated") as worker:
-        capture, live, first = rh.serve_until_cut(worker, CALLS, 3)
+        capture = rh.capture_on(worker)
+        root = rh.stage_root(capture)
+        live = {call: rh.admit(capture, root, call) for call in CALLS}
+        for call, active in live.items():
+            rh.decode(capture, active, call, 0, 3)
+        assert worker.replicate(wait=10.0)
+        copy(replica, backup)
+        first = capture.serve_generation_cut(rh.inventory("checkpoint-1", CALLS))
         assert {ack.disposition for ack in first.prefixes} == {"durable_prefix"}
-        with sqlite3.connect(replica) as connection:
-            connection.execute("UPDATE ship_sources SET last_seq = 1")
+        copy(backup, replica)
         for call, active in live.items():
             rh.decode(capture, active, call, 3, 6)
         second = capture.serve_generation_cut(rh.inventory("checkpoint-2", CALLS))
         assert {ack.disposition for ack in second.prefixes} == {"durable_prefix"}
-        assert "holds less than it was sent" in caplog.text
+        assert "resume point moved" in caplog.text
         capture.close()
     with open_store(replica) as restored:
         assert [restored.latest_cut("r0", ack.model_call_id) for ack in second.prefixes] == list(second.prefixes)

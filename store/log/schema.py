@@ -22,9 +22,9 @@ from sqlalchemy import (
 )
 
 # The alembic revision this code reads and writes; tests check it is the migrations' head.
-SCHEMA_REVISION = "0011"
+SCHEMA_REVISION = "0012"
 # Every revision the migrations know, oldest first (a read-only open tells older from newer).
-SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008", "0009", "0010", "0011")
+SCHEMA_REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0008", "0009", "0010", "0011", "0012")
 
 metadata = MetaData()
 
@@ -195,6 +195,9 @@ ship_sources = Table(
     metadata,
     Column("source_store_id", String(36), primary_key=True),
     Column("last_seq", BigInteger, nullable=False),  # the source's events up to here were shipped
+    # The source's checksum of its event at last_seq (revision 0012; NULL before it): a shipper
+    # whose own event there differs holds another history of the same store id.
+    Column("last_checksum", LargeBinary, nullable=True),
     sqlite_with_rowid=False,
 )
 

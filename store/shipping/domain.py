@@ -71,6 +71,16 @@ class DurabilityDomain:
         staged_through: int | None = None,
         staged: Collection[str] = (),
     ) -> set[str]:
+        """``_keys_in_replica`` as an operation of its own (a cut's)."""
+        return self._keys_in_replica(keys, deadline, staged_through, staged)
+
+    def _keys_in_replica(
+        self,
+        keys: Sequence[str],
+        deadline: float,
+        staged_through: int | None = None,
+        staged: Collection[str] = (),
+    ) -> set[str]:
         """Of ``keys`` (staged here), those whose events are in the replica by ``deadline``.
 
         ``staged_through``: the last seq the caller just committed, at or above every key's
@@ -80,16 +90,17 @@ class DurabilityDomain:
         ``staged``: the keys of that commit (each holds its record, at a seq up to
         ``staged_through``): only the others' seqs are read (a cut's first chunks: none)."""
         replicator = self._replication()
+        # One ticket for both waits: a round that began after this call answers them (the
+        # commits they wait for came before it), and shipping starts now.
+        ticket = replicator.ask()
         if staged_through is not None:
-            replicator.reach(staged_through, deadline)
-        else:
-            replicator.poke()  # their events are committed: the ship starts while their seqs are read
+            replicator.wait(ticket, staged_through, deadline)
         known = set(staged) if staged_through is not None else set()
         others = [key for key in keys if key not in known]
         seqs = replication.key_seqs(self._reader, others) if others else {}
         if staged_through is not None:
             seqs.update((key, staged_through) for key in keys if key in known)
-        return replication.in_replica(replicator, seqs, deadline)
+        return replication.in_replica(replicator, seqs, deadline, ticket)
 
     def _replication(self) -> replication.Replicator:
         if self._replicator is None:

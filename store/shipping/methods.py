@@ -64,7 +64,8 @@ class LogShipping:
 
         limit = arguments.optional_count("limit", limit)
         ends = arguments.optional_seconds("deadline", deadline)
-        return self._ship(to, progress, Bounds(limit=limit, deadline=None if ends is None else time.monotonic() + ends))
+        bounds = Bounds(limit=limit, deadline=None if ends is None else time.monotonic() + ends)
+        return self._reported(to, lambda: self._ship(to, progress, bounds))
 
     def follow(
         self,
@@ -91,13 +92,35 @@ class LogShipping:
         assert wait is not None
         if on_round is not None and not callable(on_round):
             raise InvalidRecordError(f"follow() on_round must be callable, got {type(on_round).__name__}")
-        return follow_log(lambda: self._ship_round(to, Bounds(stop=stop)), stop, wait, on_round)
+        return follow_log(
+            lambda: self._reported(to, lambda: self._ship_round(to, Bounds(stop=stop))), stop, wait, on_round
+        )
+
+    def _reported(self, to: LogShipping, ship: Callable[[], ShipReport]) -> ShipReport:
+        """``ship()``, a ``LogDiverged`` made the report's problem (``diverged``: nothing shipped)."""
+        from store.shipping.receive import LogDiverged
+        from store.shipping.report import ShipProblem, ShipReport
+
+        try:
+            return ship()
+        except LogDiverged as diverged:
+            source_id = self._known_id()
+            target_id = to._known_id() if isinstance(to, LogShipping) else "?"
+            problem = ShipProblem("diverged", str(diverged), 0, source_id, 0, None, None, None)
+            return ShipReport(False, source_id, target_id, 0, 0, 0, 0, problems=(problem,))
 
     @operation
     def _ship_round(
-        self, to: LogShipping, bounds: Bounds, start: int | None = None, recent: Recent | None = None
+        self,
+        to: LogShipping,
+        bounds: Bounds,
+        start: int | None = None,
+        recent: Recent | None = None,
+        *,
+        exact: bool = False,
+        confirm: bool = False,
     ) -> ShipReport:
-        return self._ship(to, None, bounds, start, recent)
+        return self._ship(to, None, bounds, start, recent, exact=exact, confirm=confirm)
 
     def _writes_only(self) -> None:
         """Only this store's own write path uses it from now on (the replicator's replica, its
@@ -116,6 +139,9 @@ class LogShipping:
         bounds: Bounds,
         start: int | None = None,
         recent: Recent | None = None,
+        *,
+        exact: bool = False,
+        confirm: bool = False,
     ) -> ShipReport:
         if not isinstance(to, LogShipping):
             raise InvalidRecordError(f"ship() takes a Store to ship to, got {type(to).__name__}")
@@ -124,7 +150,9 @@ class LogShipping:
         from store.shipping.ship import ShipTarget, ship_log
 
         target = ShipTarget(to.url, to._engine, to._known_id, to._write)
-        return ship_log(self._known_id(), self._reader, target, progress, bounds, start, recent)
+        return ship_log(
+            self._known_id(), self._reader, target, progress, bounds, start, recent, exact=exact, confirm=confirm
+        )
 
     @property
     def store_id(self) -> str:

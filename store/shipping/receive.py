@@ -45,13 +45,23 @@ from store.shipping.source import Shippable, SourceEvent, Unshippable, Unverifie
 
 class ResumePointMoved(Exception):
     """A ship started from the shipper's own resume point (``ship_log(start=)``) found the target's
-    lower: the target lacks events the shipper thought it held.  The batch is rolled back; a
-    ship from the target's own resume point sends them."""
+    elsewhere: lower (the target lacks events the shipper thought it held: restored, recreated,
+    a lagging standby) or higher (another shipper of this store id moved it: a forked worker's,
+    or another store with the same id).  The batch is rolled back; a ship from the target's own
+    resume point, checked against this store's log first, goes on from there."""
 
     def __init__(self, expected: int, found: int | None) -> None:
         super().__init__(f"the target's resume point is {found}, not {expected}")
         self.expected = expected
         self.found = found
+
+
+class LogDiverged(Exception):
+    """The target's resume point for this source is past the source's last event, or the source's
+    event there is not the one the target was sent (its checksum differs): the source lost
+    events it had shipped (a power loss, a restored backup), or another store with the same id
+    (a copy of one store file) ships into the target.  Nothing is shipped: its events would
+    reuse seqs the target skips, or mix a second history into the first."""
 
 
 class Refused(Exception):
@@ -70,6 +80,7 @@ class Received:
     appended: int = 0
     present: int = 0
     last_seq: int | None = None  # the source's resume point after the batch (None: unchanged)
+    last_checksum: bytes | None = None  # the source's checksum of its event at last_seq
     # Every source event up to here is in the target after the batch: its resume point, which
     # another ship of the same source (a forked worker's) may have moved past this batch.
     shipped_through: int | None = None
@@ -84,19 +95,23 @@ class ShipStatements:
     def __init__(self, engine: Engine) -> None:
         sources, shipped = schema.ship_sources, schema.shipped_events
         self.resume_point = Statement(
-            sa.select(sources.c.last_seq).where(sources.c.source_store_id == sa.bindparam("source_store_id")),
+            sa.select(sources.c.last_seq, sources.c.last_checksum).where(
+                sources.c.source_store_id == sa.bindparam("source_store_id")
+            ),
             engine,
         )
         self.insert_source = Statement(
             sa.insert(sources).values(
-                source_store_id=sa.bindparam("source_store_id"), last_seq=sa.bindparam("last_seq")
+                source_store_id=sa.bindparam("source_store_id"),
+                last_seq=sa.bindparam("last_seq"),
+                last_checksum=sa.bindparam("last_checksum"),
             ),
             engine,
         )
         self.update_source = Statement(
             sa.update(sources)
             .where(sources.c.source_store_id == sa.bindparam("b_source_store_id"))
-            .values(last_seq=sa.bindparam("last_seq")),
+            .values(last_seq=sa.bindparam("last_seq"), last_checksum=sa.bindparam("last_checksum")),
             engine,
         )
         self.shipped_in = Statement(
@@ -132,9 +147,25 @@ class ShipStatements:
         self.copy_shipped = copy_insert(shipped, engine) if postgres else None
 
 
-def resume_point(tx: WriteTransaction, statements: ShipStatements, source_store_id: str) -> int | None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the target's copy of a source ends: its last seq, and the source's checksum of its
+    event there (None: written before revision 0012, or nothing shipped)."""
+
+    seq: int
+    checksum: bytes | None
+
+
+NOTHING_SHIPPED = ResumePoint(0, None)
+
+
+def resume_point(tx: WriteTransaction, statements: ShipStatements, source_store_id: str) -> ResumePoint:
     row = tx.run(statements.resume_point, {"source_store_id": source_store_id}).fetchone()
-    return None if row is None else int(row[0])
+    return NOTHING_SHIPPED if row is None else ResumePoint(int(row[0]), _checksum(row[1]))
+
+
+def _checksum(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)
 
 
 def receive(
@@ -143,18 +174,25 @@ def receive(
     source_store_id: str,
     target_store_id: str,
     items: list[Shippable],
-    resume_at_least: int | None = None,
+    resume_at: int | None = None,
+    ours: Callable[[int, bytes | None], bool] | None = None,
 ) -> Received:
     """Apply ``items`` (in source order) in the target's write transaction; a batch of many goes
     out as COPY on PostgreSQL (``WriteTransaction.bulk``), a small one (a cut's receipt) as
-    statements sent with the COMMIT (a COPY waits for the server twice).  ``ResumePointMoved``
-    when the target's resume point is below ``resume_at_least`` (the ship's assumed start).
+    statements sent with the COMMIT (a COPY waits for the server twice).
+
+    ``resume_at``: where the shipper's last batch left the target's resume point.  A lower one
+    raises ``ResumePointMoved`` (the target lost events); a higher one (another shipper of
+    this store id went ahead: a forked worker's, another process on the same file) is checked
+    with ``ours(seq, checksum)``, whether this source's event at that seq is the one the target
+    was sent: ``LogDiverged`` if not, else the events up to it are skipped, as they are without
+    ``resume_at`` (the ship checked the resume point against its log when it read it).
     An ``Unverified`` item is verified just before its turn: the batch stops at the first that
     fails (``Received.unshippable``), the ones before it commit."""
     if len(items) < COPY_MIN_ROWS:
-        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at_least)
+        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at, ours)
     with tx.bulk():
-        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at_least)
+        return _receive(tx, statements, source_store_id, target_store_id, items, resume_at, ours)
 
 
 def _receive(
@@ -163,7 +201,8 @@ def _receive(
     source_store_id: str,
     target_store_id: str,
     items: list[Shippable],
-    resume_at_least: int | None,
+    resume_at: int | None,
+    ours: Callable[[int, bytes | None], bool] | None,
 ) -> Received:
     received = Received()
     # One round trip (PostgreSQL) for every read the batch makes before its first append: the
@@ -195,8 +234,14 @@ def _receive(
 
     found = _read_ahead(tx, items, reads, verify_ahead)
     known = None if not found[0] else int(found[0][0][0])
-    if resume_at_least is not None and (known or 0) < resume_at_least:
-        raise ResumePointMoved(resume_at_least, known)
+    if resume_at is not None and (known or 0) != resume_at:
+        if known is None or known < resume_at or ours is None:
+            raise ResumePointMoved(resume_at, known)
+        if not ours(known, _checksum(found[0][0][1])):
+            raise LogDiverged(
+                f"the target's resume point for store {source_store_id} moved to {known}, past this "
+                "shipper's, at an event that is not this store's"
+            )
     for origin_id, rows in zip(by_origin, found[1 : 1 + len(by_origin)], strict=True):
         here.update((origin_id, int(row[0])) for row in rows)
     # Each receipt's lookup (whether one of its inventory stands, its stream's fence and last
@@ -235,6 +280,7 @@ def _receive(
             received.events.append({"origin_store_id": origin[0], "origin_seq": origin[1], "event_seq": outcome})
             here.add(origin)
         received.last_seq = item.source_seq
+        received.last_checksum = None if item.event.stored_checksum is None else item.event.stored_checksum[1]
     if received.events:
         tx.run_many(
             statements.insert_shipped,
@@ -243,11 +289,11 @@ def _receive(
             copy=statements.copy_shipped,
         )
     if received.last_seq is not None:
-        values: dict[str, Any] = {"source_store_id": source_store_id, "last_seq": received.last_seq}
+        values: dict[str, Any] = {"last_seq": received.last_seq, "last_checksum": received.last_checksum}
         if known is None:
-            tx.run(statements.insert_source, values)
+            tx.run(statements.insert_source, {"source_store_id": source_store_id, **values})
         else:
-            tx.run(statements.update_source, {"b_source_store_id": source_store_id, "last_seq": received.last_seq})
+            tx.run(statements.update_source, {"b_source_store_id": source_store_id, **values})
     marks = [seq for seq in (known, received.last_seq) if seq is not None]
     received.shipped_through = max(marks) if marks else None
     return received

@@ -27,7 +27,7 @@ from store.append.new_event import EVENT_INSERT_COLUMNS
 from store.append.statements import held_keys_binds, held_keys_statement
 from store.errors import ConfigurationError, StoreClosedError, StoreError
 from store.queries.reads import Reader
-from store.shipping.receive import ResumePointMoved
+from store.shipping.receive import LogDiverged, ResumePointMoved
 from store.shipping.source import last_seq
 
 if TYPE_CHECKING:
@@ -122,15 +122,24 @@ class Replicator:
     """The background shipper of one store in the replicated domain, and its watermark.
 
     ``open_replica`` opens the replica store (lazily, again after a failure: a replica that is
-    down when the worker starts is found once it is up); ``ship(replica, bounds)`` ships the
-    source's log into it.  ``reach(seq, deadline)`` waits until the watermark is at least
-    ``seq`` or ``deadline`` (``time.monotonic``) passes.
+    down when the worker starts is found once it is up); ``ship(replica, bounds, start, recent,
+    confirm)`` ships the source's log into it.  ``reach(seq, deadline)`` waits until the
+    watermark is at least ``seq`` or ``deadline`` (``time.monotonic``) passes.
+
+    Every answer comes from the replica, never from memory alone: a caller takes a ticket
+    (``ask``) and is answered by a round that began after it and heard from the replica (a batch
+    written, whose transaction checks the replica's resume point is where the last one ended,
+    or, with nothing to ship, a read of that resume point).  A replica restored from a backup
+    or failed over to a lagging standby is found by that check, and shipped again from its own
+    resume point, before anything it lacks is acknowledged.  A store whose log is behind the
+    replica's resume point for its id, or holds other events there (``LogDiverged``), is never
+    acknowledged: every wait answers False at once while it is so (``last_error`` says why).
     """
 
     def __init__(
         self,
         open_replica: Callable[[], ReplicaStore],
-        ship: Callable[[Any, Bounds, int | None, Recent | None], ShipReport],
+        ship: Callable[[Any, Bounds, int | None, Recent | None, bool], ShipReport],
         source_id: Callable[[], str],
     ) -> None:
         self._open_replica = open_replica
@@ -141,7 +150,9 @@ class Replicator:
         self._wanted = 0  # the highest source seq a caller waits for
         self._through = 0  # every source event up to here is in the replica
         self._known = False  # whether _through was read from the replica yet
-        self._poked = False  # a caller asked for a ship now (``poke``), whatever it waits for
+        self._asked = 0  # tickets handed out (``ask``)
+        self._answered = 0  # every ticket up to here was answered by a round that heard from the replica
+        self._diverged: str | None = None  # this store's log is not the one the replica holds (why)
         self._failures = 0
         self.last_error: str | None = None  # the newest failure, for a caller to show
         self._stop = threading.Event()
@@ -158,65 +169,84 @@ class Replicator:
     def replica(self) -> ReplicaStore | None:
         return self._replica
 
-    def reach(self, seq: int, deadline: float) -> bool:
-        """Wait until every source event up to ``seq`` is in the replica; False once ``deadline``
-        passes first (the thread keeps shipping: a later call finds it there)."""
+    def ask(self) -> int:
+        """A ticket: the rounds that answer it begin after this call (and a round starts now)."""
         with self._lock:
             if self._stop.is_set():
                 raise StoreClosedError("this store was closed")
-            if self._known and self._through >= seq:
-                return True
-            self._wanted = max(self._wanted, seq)
+            self._asked += 1
             self._start_thread()
             self._lock.notify_all()
-            while not (self._known and self._through >= seq):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    return False
-                self._lock.wait(left)
-            return True
+            return self._asked
 
-    def poke(self) -> None:
-        """Ship what is committed now, without waiting for it: a caller about to wait (after
-        reading what it waits for) has the ship begin meanwhile."""
+    def wait(self, ticket: int, seq: int, deadline: float) -> int:
+        """The watermark as a round that began after ``ticket`` heard it from the replica, once it
+        is at least ``seq`` or ``deadline`` passes (-1: no such round yet, or this store's log
+        is not the replica's)."""
         with self._lock:
-            if self._stop.is_set():
-                raise StoreClosedError("this store was closed")
-            self._poked = True
-            self._start_thread()
+            self._wanted = max(self._wanted, seq)
             self._lock.notify_all()
+            while True:
+                answered = self._diverged is None and self._known and self._answered >= ticket
+                if answered and self._through >= seq:
+                    return self._through
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set() or self._diverged is not None:
+                    return self._through if answered else -1
+                self._lock.wait(left)
+
+    def reach(self, seq: int, deadline: float) -> bool:
+        """Wait until the replica says every source event up to ``seq`` is in it; False once
+        ``deadline`` passes first (the thread keeps shipping: a later call finds it there)."""
+        return self.wait(self.ask(), seq, deadline) >= seq
 
     def _start_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="staging-store-replica", daemon=True)
             self._thread.start()
 
+    def _idle(self) -> bool:
+        return (
+            self._known and self._through >= self._wanted and self._answered >= self._asked and self._diverged is None
+        )
+
     def _run(self) -> None:
         from store.shipping.ship import Bounds
 
         while not self._stop.is_set():
             with self._lock:
-                while not self._stop.is_set() and not self._poked and self._known and self._through >= self._wanted:
+                while not self._stop.is_set() and self._idle():
                     # Nobody waits: look for new events now and then all the same, so the replica
                     # keeps up between acknowledgements (a cut then ships little more than its own).
                     if not self._lock.wait(FOLLOW_INTERVAL):
                         break
                 if self._stop.is_set():
                     return
-                self._poked = False  # this ship goes up to the head as it is now: what was asked for
-            with self._lock:
+                ticket = self._asked  # every ticket up to here is answered by this round
+                confirm = ticket > self._answered
                 # Its own last ship ended here: the next one starts there without asking (each
                 # batch checks it in its transaction).
                 start = self._through if self._known else None
             try:
                 if self._replica is None:
                     self._replica = self._open_replica()
-                report = self._ship(self._replica, Bounds(stop=self._stop), start, self._recent)
-            except ResumePointMoved as moved:  # the replica lost events (restored, recreated)
-                log.warning("the replica holds less than it was sent (%s); shipping from its own resume point", moved)
+                report = self._ship(self._replica, Bounds(stop=self._stop), start, self._recent, confirm)
+            except ResumePointMoved as moved:  # the replica lost events (restored, a standby), or another shipper
+                log.warning("the replica's resume point moved (%s); shipping from its own resume point", moved)
                 with self._lock:
                     self._known = False
                     self._through = 0
+                continue
+            except LogDiverged as diverged:
+                with self._lock:
+                    first = self._diverged is None
+                    self._diverged = self.last_error = str(diverged)
+                    self._known = False
+                    self._through = 0
+                    self._lock.notify_all()
+                if first:
+                    log.error("refusing to replicate: %s", diverged)
+                self._failed(str(diverged), logged=True)
                 continue
             except StoreClosedError:
                 if self._stop.is_set():
@@ -230,9 +260,16 @@ class Replicator:
                 log.exception("shipping to the replica failed")
                 self._failed(f"{type(exc).__name__}: {exc}")
                 continue
+            # It heard from the replica: the resume point was read (no start), a confirm read or
+            # a batch's transaction checked it.  (A ship that stopped at a problem before its
+            # first batch did not.)
+            heard = start is None or (report.ok and report.stopped is None) or report.last_seq > start
             with self._lock:
                 self._through = max(self._through, report.last_seq)
                 self._known = True
+                self._diverged = None
+                if heard:
+                    self._answered = max(self._answered, ticket)
                 self._lock.notify_all()
             self._recent.shipped(report.last_seq)
             if not report.ok:
@@ -242,10 +279,10 @@ class Replicator:
                 self._failures = 0
                 self.last_error = None
 
-    def _failed(self, reason: str) -> None:
+    def _failed(self, reason: str, *, logged: bool = False) -> None:
         self.last_error = reason
         self._failures += 1
-        if self._failures == 1:
+        if self._failures == 1 and not logged:
             log.warning("replicating to the replica failed (%s); retrying until it answers", reason)
         self._stop.wait(min(RETRY_MOST, RETRY_FIRST * 2 ** min(self._failures - 1, 10)))
 
@@ -255,6 +292,7 @@ class Replicator:
         self._lock = threading.Condition()
         self._thread = None
         self._known = False
+        self._diverged = None
         self._recent = Recent()
 
     def close(self) -> None:
@@ -351,7 +389,14 @@ class SourceStore(Protocol):
     def _known_id(self) -> str: ...
 
     def _ship_round(
-        self, to: Any, bounds: Bounds, start: int | None = None, recent: Recent | None = None
+        self,
+        to: Any,
+        bounds: Bounds,
+        start: int | None = None,
+        recent: Recent | None = None,
+        *,
+        exact: bool = False,
+        confirm: bool = False,
     ) -> ShipReport: ...
 
     def _keep_committed(self, on_commit: Callable[[list[tuple[int, tuple[Any, ...]]] | None], None]) -> None: ...
@@ -379,7 +424,10 @@ def start(store: SourceStore, options: DomainOptions, open_store: Callable[[str]
         replica._writes_only()
         return replica
 
-    replicator = Replicator(open_replica, store._ship_round, store._known_id)
+    def ship(to: Any, bounds: Bounds, start: int | None, recent: Recent | None, confirm: bool) -> ShipReport:
+        return store._ship_round(to, bounds, start, recent, exact=True, confirm=confirm)
+
+    replicator = Replicator(open_replica, ship, store._known_id)
     remove = store._on_close(replicator.close)
     store._keep_committed(replicator.remember)
     try:
@@ -413,11 +461,11 @@ def head(reader: Reader) -> int:
     return seq
 
 
-def in_replica(replicator: Replicator, seqs: dict[str, int], deadline: float) -> set[str]:
-    """The keys (of ``seqs``: key -> its event's source seq) whose events are in the replica by
-    ``deadline``: every one when the watermark reaches the highest, else those at or below it."""
+def in_replica(replicator: Replicator, seqs: dict[str, int], deadline: float, ticket: int | None = None) -> set[str]:
+    """The keys (of ``seqs``: key -> its event's source seq) whose events the replica says it
+    holds by ``deadline`` (a round after ``ticket``, or after this call, heard it): every one
+    when the watermark reaches the highest, else those at or below it."""
     if not seqs:
         return set()
-    replicator.reach(max(seqs.values()), deadline)
-    through = replicator.through
+    through = replicator.wait(replicator.ask() if ticket is None else ticket, max(seqs.values()), deadline)
     return {key for key, seq in seqs.items() if seq <= through}

@@ -12,7 +12,10 @@ class ShipProblem:
     ``code``: ``conflict`` (the target holds a different record under the key, the key
     belongs to another call, or the inventory has another cut receipt), ``refused`` (the
     target's write checks refused the event), ``corrupt`` (the source event failed its
-    checksum, digest or decoding).
+    checksum, digest or decoding), ``diverged`` (the target's resume point for this store id is
+    past this store's last event, or its event there is another: this store lost events it had
+    shipped, or another store with the same id ships there; nothing was shipped, and
+    ``source_seq``/``origin_seq`` are 0).
     """
 
     code: str

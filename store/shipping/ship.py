@@ -17,18 +17,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from store.append.transaction import WriteTransaction
 from store.errors import InvalidRecordError
 from store.queries.reads import Reader
-from store.shipping.receive import Received, Refused, ShipStatements, item_names, receive, resume_point
+from store.shipping.receive import (
+    LogDiverged,
+    Received,
+    Refused,
+    ResumePoint,
+    ResumePointMoved,
+    ShipStatements,
+    item_names,
+    receive,
+    resume_point,
+)
 from store.shipping.report import ShipProblem, ShipReport
 from store.shipping.source import (
     Shippable,
     SourceEvent,
     Unshippable,
     batches,
+    checksum_at,
     count_between,
     kept,
     last_seq,
@@ -110,28 +121,40 @@ def ship_log(
     bounds: Bounds = Bounds(),
     start: int | None = None,
     recent: Recent | None = None,
+    *,
+    exact: bool = False,
+    confirm: bool = False,
 ) -> ShipReport:
     """Ship the source's events after the target's resume point for it, up to the source's last
     event when the ship began (a source that keeps being written still lets it end), within
-    ``bounds``.  ``start``: the resume point the shipper knows the target has (its own last ship
-    ended there), which saves reading it first; each batch checks it in its transaction and
-    raises ``ResumePointMoved`` (nothing written) when the target's is lower.  ``recent``: the
-    events this process committed, as written (the replicator's): a ship of one batch whose
-    every event is there, and still in the log, takes them from there instead of reading them
-    back (verified all the same)."""
+    ``bounds``.  A resume point read from the target is checked against the source's log first:
+    ``LogDiverged`` (nothing written) when it is past the source's last event or the source's
+    event there is not the one the target was sent.
+
+    ``start``: the resume point the shipper knows the target has (its own last ship ended
+    there), which saves reading it first.  ``exact`` (the replicator's ships): each batch checks
+    in its transaction that the target's resume point is where the one before ended (``start``
+    for the first) and raises ``ResumePointMoved`` (nothing written) when it is not; else the
+    events up to the target's are skipped.  ``confirm`` (with ``start``): when nothing is left
+    to ship, read the target's resume point all the same (``ResumePointMoved`` when it is not
+    ``start``), so a caller waiting for the replica hears from it.  ``recent``: the events this
+    process committed, as written (the replicator's): a ship of one batch whose every event is
+    there, and still in the log, takes them from there instead of reading them back (verified
+    all the same)."""
     statements = _statements(target.engine)
+    known: ResumePoint | None = None
     if start is None:
         # The target's log refuses a closed store here, before anything of it is read.
-        start = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False) or 0
-        expected = None
-    else:
-        expected = start
+        known = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False)
+        start = known.seq
     target_id = target.known_id()
     if source_id == target_id:
         raise InvalidRecordError(f"ship() needs another store as its target; {target.url} is this store ({source_id})")
     held = None
     with source.connection("reading the log to ship") as connection:
         head = last_seq(connection)
+        if known is not None:
+            _check_resume_point(connection, known, head, source_id, target.url)
         # The total is for ``progress`` only: a ship without one (the replicator's) skips the count.
         total = count_between(connection, start, head) if progress is not None else 0
         if recent is not None and start < head and head - start <= _chunk_size(bounds.limit):
@@ -144,8 +167,25 @@ def ship_log(
         total = min(total, bounds.limit)
     tally = _Tally(last=start, total=total)
     _report(progress, 0, tally.total)
+    if confirm and known is None and head <= start:
+        # Nothing to ship: the replica is asked where it is (a read of the resume point in its
+        # write transaction), not taken at the shipper's memory (restored, failed over).
+        there = target.write(lambda tx: resume_point(tx, statements, source_id), durable=False)
+        if there.seq != start:
+            raise ResumePointMoved(start, there.seq)
+
+    def ours(seq: int, checksum: bytes | None) -> bool:
+        """Whether this store's event ``seq`` is the one the target's resume point names (asked
+        in the target's transaction: another shipper of this store id moved it)."""
+        with source.connection("reading the log to ship") as connection:
+            mine, last = checksum_at(connection, seq), last_seq(connection)
+            connection.rollback()
+        return seq <= last and (checksum is None or mine is None or mine == checksum)
+
     send = _Sender(
-        lambda items: _ship_batch(target, statements, source_id, target_id, items, expected),
+        lambda items, at: _ship_batch(
+            target, statements, source_id, target_id, items, at if exact else None, ours if exact else None
+        ),
         tally,
         progress,
         # At most one chunk to ship (seqs only grow): its one batch is written by this thread, no
@@ -218,6 +258,30 @@ def ship_log(
     )
 
 
+def _check_resume_point(connection: Connection, known: ResumePoint, head: int, source_id: str, url: str) -> None:
+    """``LogDiverged`` unless the target's resume point for this store is an event of its log."""
+    if known.seq == 0:
+        return
+    cause = (
+        "this store lost events it had shipped (a power loss, a restored backup) or another store "
+        "with the same id (a copy of one store file) ships there; nothing is shipped: open a fresh "
+        "store on this host (what the replica holds stays there)"
+    )
+    if known.seq > head:
+        raise LogDiverged(
+            f"this store's log is behind the target {url}: it ends at event {head}, the target holds "
+            f"events of store {source_id} up to {known.seq}; {cause}"
+        )
+    if known.checksum is None:
+        return  # written before revision 0012: only the seq is known
+    mine = checksum_at(connection, known.seq)
+    if mine is not None and mine != known.checksum:
+        raise LogDiverged(
+            f"this store's event {known.seq} and the one the target {url} holds as event {known.seq} "
+            f"of store {source_id} differ; {cause}"
+        )
+
+
 def _read_size(limit: int | None) -> int:
     return BATCH_EVENTS if limit is None else max(1, min(BATCH_EVENTS, limit))
 
@@ -232,7 +296,7 @@ class _Sender:
 
     def __init__(
         self,
-        ship_batch: Callable[[list[Shippable]], tuple[Received, ShipProblem | None]],
+        ship_batch: Callable[[list[Shippable], int], tuple[Received, ShipProblem | None]],
         tally: _Tally,
         progress: Progress | None,
         *,
@@ -298,12 +362,14 @@ class _Sender:
             size += event.size
         batch, self._ready = self._ready[:count], self._ready[count:]
         self._ready_bytes -= size
+        # Sent once the batch before settled: the target's resume point is where that one ended.
+        at = self._tally.last
         if self._writer is not None:
-            self._writing = self._writer.submit(self._ship_batch, batch)
+            self._writing = self._writer.submit(self._ship_batch, batch, at)
             return
         written: Future[tuple[Received, ShipProblem | None]] = Future()
         try:
-            written.set_result(self._ship_batch(batch))
+            written.set_result(self._ship_batch(batch, at))
         except Exception as exc:  # raised where the result is read, as a writer thread's would be
             written.set_exception(exc)
         self._writing = written
@@ -353,13 +419,14 @@ def _ship_batch(
     source_id: str,
     target_id: str,
     items: list[Shippable],
-    expected: int | None = None,
+    resume_at: int | None = None,
+    ours: Callable[[int, bytes | None], bool] | None = None,
 ) -> tuple[Received, ShipProblem | None]:
     """Apply ``items`` in one target transaction; a refusal ships the events before it, then
     reports it, as does an unverified item that fails verification (``Received.unshippable``)."""
 
     def work(chosen: list[Shippable]) -> Callable[[WriteTransaction], Received]:
-        return lambda tx: receive(tx, statements, source_id, target_id, chosen, expected)
+        return lambda tx: receive(tx, statements, source_id, target_id, chosen, resume_at, ours)
 
     if not items:
         return Received(), None

@@ -291,3 +291,11 @@ def _new_event(
         # Verified with the row (``verified_event``): appended at the same version, it holds.
         stored_checksum=(int(row["stream_version"]), bytes(row["checksum"])),
     )
+
+
+def checksum_at(connection: sa.Connection, seq: int) -> bytes | None:
+    """The stored checksum of event ``seq`` (None: no such event, removed by retention or never
+    committed)."""
+    events = schema.events
+    value = connection.execute(sa.select(events.c.checksum).where(events.c.seq == seq)).scalar()
+    return None if value is None else bytes(value)

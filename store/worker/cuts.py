@@ -307,7 +307,7 @@ class CutServer:
                     served = self._stored_receipt(inventory)
                     if served is None:  # only retention could remove it in between
                         raise GenerationCutError(f"the stored receipt of cut {inventory.checkpoint_id} vanished")
-                    return served
+                    return self._in_replica(served, replica_deadline)
                 acks = replicated
             receipt = GenerationCutReceipt(
                 checkpoint_id=inventory.checkpoint_id,
@@ -323,11 +323,14 @@ class CutServer:
             # attempt: the transaction checks every acknowledged key still holds its record.
             acknowledged = [key for ack in acks if ack.disposition == "durable_prefix" for key in ack.staging_keys]
             failpoints.hit("mid_cut")
-            staged = self._store.stage_all(
-                entries,
-                cut_receipt=(inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt)),
-                acknowledged=acknowledged,
-            )
+            cut_receipt = (inventory.checkpoint_id, inventory.inventory_digest, to_json(receipt))
+            if replica_deadline is None:
+                staged = self._store.stage_all(entries, cut_receipt=cut_receipt, acknowledged=acknowledged)
+            else:
+                # Its records are in the replica (``_replicated``; every chunk sealed there): the
+                # receipt is written as it is, and waited for below.
+                assert not entries
+                staged = self._store._stage_receipt(cut_receipt, acknowledged)
         except Exception as exc:
             for live in locked:
                 live.rollback()
@@ -336,7 +339,8 @@ class CutServer:
             except StoreError:
                 cached = None  # the error this serve met is the answer
             if cached is not None:
-                return cached  # served before: its receipt stands, whatever this serve met
+                # Served before: its receipt stands, whatever this serve met.
+                return self._in_replica(cached, replica_deadline)
             if isinstance(exc, GenerationCutError):
                 raise
             raise GenerationCutError(f"serving cut {inventory.checkpoint_id} failed: {exc}") from exc
@@ -347,7 +351,7 @@ class CutServer:
                 stored = self._stored_receipt(inventory)
                 if stored is None:  # only retention could remove it in between
                     raise GenerationCutError(f"the stored receipt of cut {inventory.checkpoint_id} vanished")
-                return stored
+                return self._in_replica(stored, replica_deadline)
             durable = {ack.ticket_id for ack in acks if ack.disposition == "durable_prefix"}
             for plan in plans:
                 if not plan.sealed:
@@ -360,14 +364,35 @@ class CutServer:
                 live.lifecycle.release()
         if replica_deadline is not None:
             # The receipt follows its records into the replica (continue_latest_cut there finds
-            # it), within what is left of the wait; else with the next ship.
-            left = replica_deadline - time.monotonic()
-            receipt_seq = getattr(staged, "_last_seq", None) if getattr(staged, "receipt_recorded", None) else None
-            if left > 0 and receipt_seq is not None:
-                self._store._replicated_through(receipt_seq, left)  # the receipt is the cut's last event
-            elif left > 0:
-                self._store.replicate(wait=left)
+            # it), within what is left of the wait: a durable_prefix is answered only once it
+            # is there (else the cut is refused, and Gym counts each of its calls a failure).
+            receipt_seq = getattr(staged, "_last_seq", None)
+            if receipt_seq is None:
+                return self._in_replica(receipt, replica_deadline)
+            left = max(replica_deadline - time.monotonic(), 0.0)
+            there = self._store._replicated_through(receipt_seq, left)  # the receipt is the cut's last event
+            if not there and _promises(receipt):
+                raise self._not_replicated(inventory, "did not reach")
         return receipt  # ours is the one in the log: no need to read it back
+
+    def _in_replica(self, receipt: GenerationCutReceipt, deadline: float | None) -> GenerationCutReceipt:
+        """A receipt kept in the log, answered again: in the replicated domain only once it is in
+        the replica (a durable_prefix says the replica holds the receipt too)."""
+        if deadline is None or not _promises(receipt):
+            return receipt
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._store.replicate(wait=left):
+            raise self._not_replicated(receipt.inventory, "is kept here but did not reach")
+        return receipt
+
+    def _not_replicated(self, inventory: GenerationCutInventory, what: str) -> GenerationCutError:
+        reason = self._store._replication().last_error or "it did not answer in time"
+        return GenerationCutError(
+            f"cut {inventory.checkpoint_id}: its receipt {what} the replica {self._store.replica_url} within "
+            f"replica_wait={self._store.replica_wait:g} s ({reason}); no acknowledgement is made: ask again once the "
+            "replica answers (the receipt ships then, and is answered as it is)",
+            "replica_unavailable",
+        )
 
     def _stored_receipt(self, inventory: GenerationCutInventory) -> GenerationCutReceipt | None:
         stored = self._store.cut_receipt(inventory.checkpoint_id, inventory.inventory_digest)
@@ -568,6 +593,11 @@ class CutServer:
 
 
 _JOIN_WARNING_SECONDS = 10.0
+
+
+def _promises(receipt: GenerationCutReceipt) -> bool:
+    """Whether a receipt acknowledges any prefix durable."""
+    return any(ack.disposition == "durable_prefix" for ack in receipt.prefixes)
 
 
 def _identity(prefix: GenerationCutPrefix | GenerationCutPrefixAck) -> dict[str, Any]:
