@@ -21,7 +21,8 @@ LAYERS: list[set[str]] = [
     {"audit", "lineage", "retention"},
     {"shipping"},
     {"store"},
-    {"worker", "coordinator", "adapters"},
+    {"worker", "coordinator"},
+    {"adapters"},
     {"http", "demo"},
     {"cli"},
 ]
