@@ -8,11 +8,14 @@ prompt and the verified prefix is put in its place, as NeMo RL does: everything 
 renders after the parent's turn (the tool results or user turn, the generation prompt) is
 kept as rendered.
 
-The parent's turn is found by counting turn-end tokens: the rendering of the conversation up
-to and including the parent's answer holds ``n`` of them, so the parent's turn ends at the
-``n``-th turn-end token of the child's rendering.  Counting, rather than measuring lengths,
-also holds when the template renders an earlier answer shorter than the last one (templates
-that drop reasoning from earlier turns).
+Where the parent's turn ends in the child's rendering: the rendering of the conversation up
+to and including the parent's answer (no generation prompt) holds ``n`` turn-end tokens (the
+tokenizer's EOS), so the parent's turn ends at the ``n``-th turn-end token of the child's
+rendering.  Counting, rather than measuring lengths, also holds when the template renders an
+earlier answer shorter than the last one (templates that drop reasoning from earlier turns).
+A template that writes no turn-end token at all (the parent's stop token is then missing from
+the re-rendered text) renders the conversation up to the parent's answer as a prefix of the
+child's prompt: what follows that prefix is the new turn.
 """
 
 from __future__ import annotations
@@ -35,16 +38,16 @@ def splice_verified_prefix(
     parent's answer, without a generation prompt; ``end_token_ids`` the tokens a turn ends
     with (the tokenizer's EOS).  The turn-end token itself is taken from the rendering, and a
     trailing turn-end token of ``prefix`` (the parent stopped on it) is not repeated.
-    ``CaptureDataError`` when the renderings hold no turn-end token to cut at.
+    ``CaptureDataError`` when the parent's turn cannot be found in the child's rendering.
     """
     ends = set(end_token_ids)
-    if not ends:
-        raise CaptureDataError("splicing a chat prefix needs the tokenizer's end-of-turn token (none is known)")
     turns = sum(1 for token in rendered_history if token in ends)
     if turns == 0:
+        if list(rendered[: len(rendered_history)]) == list(rendered_history):
+            return [*prefix, *rendered[len(rendered_history) :]]
         raise CaptureDataError(
-            "the chat template renders the conversation up to the parent's answer without an end-of-turn token: "
-            "the parent's turn cannot be found in the rendered prompt"
+            "the chat template renders the conversation up to the parent's answer without an end-of-turn token "
+            "and not as a prefix of the child's prompt: the parent's turn cannot be found in the rendered prompt"
         )
     seen = 0
     for position, token in enumerate(rendered):

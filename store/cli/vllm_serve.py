@@ -102,7 +102,7 @@ def vllm_serve(
 
         from store.http.vllm_server import serve
 
-        def announce(address: str) -> None:
+        def announce(address: str, _service: object) -> None:
             sys.stdout.write(f"serving {model} with capture into {shown(opened)} on {address}\n")
             sys.stdout.flush()
 
@@ -113,7 +113,7 @@ def vllm_serve(
                 token=token,
                 policy_version=policy_version,
                 coordinator_socket=socket_path,
-                announce=announce,
+                on_ready=announce,
             )
         )
     return exits.OK

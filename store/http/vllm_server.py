@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 from argparse import Namespace
+from collections.abc import Callable
 from typing import Any
 
 from store.http.routes import control_router
@@ -75,9 +76,10 @@ async def serve(
     token: str,
     policy_version: int,
     coordinator_socket: str | None = None,
-    announce: Any = None,
+    on_ready: Callable[[str, CallService], object] | None = None,
 ) -> None:
-    """Run vLLM's OpenAI server on ``args`` (vLLM's parsed flags) with capture into ``store``."""
+    """Run vLLM's OpenAI server on ``args`` (vLLM's parsed flags) with capture into ``store``;
+    ``on_ready(address, service)`` is called once the engine is up, before serving starts."""
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -99,8 +101,8 @@ async def serve(
             app = build_app(args, supported, engine.model_config)
             await init_app_state(engine, app.state, args, supported)
             await install(app, engine, service, token)
-            if announce is not None:
-                announce(listen_address)
+            if on_ready is not None:
+                on_ready(listen_address, service)
             uvicorn_kwargs: dict[str, Any] = {}
             log_config = get_uvicorn_log_config(args)
             if log_config is not None:
