@@ -50,7 +50,7 @@ def _free_port() -> int:
 class Server:
     """A ``staging-store vllm-serve`` process on a free port."""
 
-    def __init__(self, workdir: Path, store: Path, version: int) -> None:
+    def __init__(self, workdir: Path, store: Path, version: int, coordinator: str) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.model = str(tiny_model())
@@ -65,7 +65,7 @@ class Server:
             "vllm-serve", self.model, "--store", str(store), "--token-file", str(token_file),
             "--policy-version", str(version), "--port", str(self.port), "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "1024", "--seed", "0", "--enable-scale-out",
-            "--chat-template", str(template), "--disable-uvicorn-access-log",
+            "--chat-template", str(template), "--disable-uvicorn-access-log", "--coordinator-socket", coordinator,
         ]  # fmt: skip
         self.log = (workdir / f"server-{version}.log").open("wb")
         env = apply_vllm_env(dict(os.environ))
@@ -124,14 +124,34 @@ def store_path(workdir: Path) -> Path:
     return path
 
 
+class Live:
+    """The server the tests talk to (the scenario replaces it with a fresh one, version 2) and
+    the policy checkpoint coordinator it registers with."""
+
+    def __init__(self, server: Server, coordinator: Any) -> None:
+        self.current = server
+        self.coordinator = coordinator
+
+
 @pytest.fixture(scope="module")
-def first(workdir: Path, store_path: Path) -> Iterator[Server]:
-    server = Server(workdir, store_path, version=1)
+def live(workdir: Path, store_path: Path) -> Iterator[Live]:
+    from store import Coordinator
+
+    coordinator = Coordinator(workdir / "coordinator.sock", expected_workers=1).start()
     try:
-        yield server
+        holder = Live(Server(workdir, store_path, 1, coordinator.socket_path), coordinator)
+        try:
+            yield holder
+        finally:
+            if holder.current.process.poll() is None:
+                holder.current.kill()
     finally:
-        if server.process.poll() is None:
-            server.kill()
+        coordinator.close()
+
+
+@pytest.fixture
+def first(live: Live) -> Server:
+    return live.current
 
 
 def root(rollout: str, call: str = "c0") -> dict[str, Any]:
@@ -154,6 +174,23 @@ def child(rollout: str, call: str, parent: str, response: dict[str, Any], prefix
 def tokens_of(response: dict[str, Any]) -> list[int]:
     """The call's whole sequence: its engine prompt, then what it generated."""
     return [*response["prompt_token_ids"], *response["choices"][0]["token_ids"]]
+
+
+def test_the_server_registers_with_the_coordinator_by_its_pid_and_follows_its_admission(live: Live) -> None:
+    import httpx
+
+    coordinator, server = live.coordinator, live.current
+    assert coordinator.wait_for_workers(1, timeout=30)
+    assert list(coordinator.status()["workers"]) == [server.process.pid]
+    server.chat([{"role": "user", "content": "ra re ri"}], root("coordinated-1"), max_tokens=4)
+    prepared = coordinator.prepare("ckpt-coordinated", timeout=10)
+    assert prepared["ready"], prepared  # the answered call is delivered, nothing holds the checkpoint
+    assert coordinator.status()["workers"][server.process.pid]["served"] >= 1
+    body = {"model": server.model, "messages": [{"role": "user", "content": "re"}], "ng_capture": root("closed-1")}
+    refused = httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 503 and refused.json()["code"] == "admission_closed"
+    coordinator.resume()
+    assert server.chat(body["messages"], root("closed-1"), max_tokens=4)["ng_commit_coords"]["disposition"] == "staged"
 
 
 def test_a_chat_child_after_a_stop_token_reaches_the_engine_on_the_parents_exact_tokens(first: Server) -> None:
@@ -237,10 +274,11 @@ def _chat_turns(server: Server, rollout: str, last_limit: int) -> tuple[list[dic
 
 
 def test_scenario_cut_over_http_kill_every_process_continue_on_a_fresh_server(
-    first: Server, workdir: Path, store_path: Path
+    live: Live, workdir: Path, store_path: Path
 ) -> None:
     from store import capture_key, open_store
 
+    first = live.current
     limit = 700  # long enough to be decoding when the cut comes
     messages, admission = _chat_turns(first, "chat-r", limit)
     completion = {"model": first.model, "prompt": [1, 5, 33, 34, 35, 6], "max_tokens": limit, "temperature": 0}
@@ -276,36 +314,36 @@ def test_scenario_cut_over_http_kill_every_process_continue_on_a_fresh_server(
     assert all(0 < ack.prefix_token_count < limit for ack in acks), acks
     assert not any(isinstance(answer, dict) for answer in answers.values())  # neither call completed
 
-    second = Server(workdir, store_path, version=2)
-    try:
-        chat_ack, completion_ack = acks
-        resumed_chat = second.chat(
-            messages,
-            {**admission, "rollout_id": capture_key("chat-r", 1), "generation_cut": _json(chat_ack.continuation())},
-            **chat_options,
-        )
-        resumed_completion = second.post(
-            "/v1/completions",
-            {
-                **completion,
-                "ng_capture": {
-                    **root(capture_key("cmpl-r", 1)),
-                    "generation_cut": _json(completion_ack.continuation()),
-                },
+    assert live.coordinator.wait_for_workers(0, timeout=30)  # the coordinator saw it go
+    second = live.current = Server(workdir, store_path, 2, live.coordinator.socket_path)
+    assert live.coordinator.wait_for_workers(1, timeout=30)
+    assert list(live.coordinator.status()["workers"]) == [second.process.pid]
+    chat_ack, completion_ack = acks
+    resumed_chat = second.chat(
+        messages,
+        {**admission, "rollout_id": capture_key("chat-r", 1), "generation_cut": _json(chat_ack.continuation())},
+        **chat_options,
+    )
+    resumed_completion = second.post(
+        "/v1/completions",
+        {
+            **completion,
+            "ng_capture": {
+                **root(capture_key("cmpl-r", 1)),
+                "generation_cut": _json(completion_ack.continuation()),
             },
-        )
-        for answer in (resumed_chat, resumed_completion):
-            assert answer["ng_commit_coords"]["disposition"] == "staged", answer["ng_commit_coords"]
-            choice = answer["choices"][0]
-            shown = (choice["finish_reason"], choice["stop_reason"], len(choice["token_ids"]), acks)
-            assert len(choice["token_ids"]) == limit, shown  # the whole answer, restored tokens first
-        # The uninterrupted greedy reference, on the same server.
-        ref_messages, ref_admission = _chat_turns(second, "chat-ref", limit)
-        assert ref_messages == messages
-        second.chat(ref_messages, ref_admission, **chat_options)
-        second.post("/v1/completions", {**completion, "ng_capture": root("cmpl-ref")})
-    finally:
-        second.kill()
+        },
+    )
+    for answer in (resumed_chat, resumed_completion):
+        assert answer["ng_commit_coords"]["disposition"] == "staged", answer["ng_commit_coords"]
+        choice = answer["choices"][0]
+        shown = (choice["finish_reason"], choice["stop_reason"], len(choice["token_ids"]), acks)
+        assert len(choice["token_ids"]) == limit, shown  # the whole answer, restored tokens first
+    # The uninterrupted greedy reference, on the same server.
+    ref_messages, ref_admission = _chat_turns(second, "chat-ref", limit)
+    assert ref_messages == messages
+    second.chat(ref_messages, ref_admission, **chat_options)
+    second.post("/v1/completions", {**completion, "ng_capture": root("cmpl-ref")})
 
     with open_store(store_path) as store:
         rows = _export(store)
@@ -323,6 +361,65 @@ def test_scenario_cut_over_http_kill_every_process_continue_on_a_fresh_server(
             assert tail == [1] * restored + [2] * (limit - restored)
         assert store.audit().ok
         assert store.replay().ok
+
+
+def test_gyms_own_model_server_capture_path_commits_through_the_server(first: Server, store_path: Path) -> None:
+    """NeMo Gym 0.7.0's VLLMWorkerCaptureHandler and resolve_parent drive two turns: the second
+    is admitted token_in by Gym's parent resolution (a staging chain, no inline prefix)."""
+    external = pytest.importorskip("nemo_gym.token_id_capture.external_capture", reason="needs nemo-gym 0.7.0")
+    import asyncio
+
+    import httpx
+    from nemo_gym.token_id_capture.lineage import InMemoryLineageStore
+    from nemo_gym.token_id_capture.sink import CaptureContext, reset_token_sink, resolve_parent, set_token_sink
+
+    from store import open_store
+
+    ledger = InMemoryLineageStore()
+    handler = external.VLLMWorkerCaptureHandler()
+
+    async def turn(call: str, messages: list[dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+        context = CaptureContext(
+            rollout_id="gym-r",
+            model_call_id=call,
+            token_sink=None,
+            lineage_store=ledger,
+            external_staging=True,
+            admitted_at=time.time(),
+            model=first.model,
+        )
+        token = set_token_sink(context)
+        try:
+            await resolve_parent(messages)
+            request = {"model": first.model, "messages": messages, "max_tokens": 60, "temperature": 0, **STOP_BIAS}
+            payload = handler.prepare_request(request)
+            async with httpx.AsyncClient(timeout=120) as client:
+                answer = (await client.post(f"{first.base}/v1/chat/completions", json=payload)).json()
+            handler.prepare_response(answer)
+            await handler.finalize_response(answer)
+            return context, answer
+        finally:
+            reset_token_sink(token)
+
+    async def rollout() -> tuple[Any, Any, dict[str, Any]]:
+        messages = [{"role": "user", "content": "ma me mi"}]
+        root_context, answer = await turn("c0", messages)
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        messages += [answer["choices"][0]["message"], {"role": "user", "content": "nu pa"}]
+        child_context, _ = await turn("c1", messages)
+        return root_context, child_context, await ledger.manifest("gym-r")
+
+    root_context, child_context, manifest = asyncio.run(rollout())
+    assert root_context.capture_admission.mode == "text"
+    admission = child_context.capture_admission
+    assert admission.mode == "token_in" and admission.parent_call_id == "c0" and admission.staging_chain
+    assert not manifest.get("failures"), manifest
+    rows = {row["model_call_id"]: row for row in manifest["records"]}
+    assert set(rows) == {"c0", "c1"} and rows["c1"]["parent_call_id"] == "c0"
+    with open_store(store_path) as store:
+        [row] = store.linearize("gym-r").rows
+        assert len(row.token_ids) == rows["c1"]["cum_len"]
+        assert list(row.model_call_ids) == ["c0", "c1"]
 
 
 def _json(record: Any) -> Any:

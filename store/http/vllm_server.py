@@ -62,7 +62,11 @@ async def install(app: Any, engine: Any, service: CallService, token: str) -> No
     app.middleware_stack = app.build_middleware_stack()  # vLLM's app has built its stack already
     worker = service.worker
     checkpoint_open = (lambda: worker.checkpoint is not None) if worker is not None else None
-    app.include_router(control_router(service.capture, service.store, token, checkpoint_open=checkpoint_open))
+    # The cut runs in the loop iteration that reads it: vLLM's loop is busy while it decodes, and
+    # a trip to the thread pool and back waits for it to come round each way (tools/bench_vllm_cut.py).
+    app.include_router(
+        control_router(service.capture, service.store, token, checkpoint_open=checkpoint_open, cut_on_loop=True)
+    )
 
 
 def _no_text(ids: list[int]) -> str:
@@ -76,10 +80,10 @@ async def serve(
     token: str,
     policy_version: int,
     coordinator_socket: str | None = None,
-    on_ready: Callable[[str, CallService], object] | None = None,
+    on_ready: Callable[[str, CallService, Any], object] | None = None,
 ) -> None:
     """Run vLLM's OpenAI server on ``args`` (vLLM's parsed flags) with capture into ``store``;
-    ``on_ready(address, service)`` is called once the engine is up, before serving starts."""
+    ``on_ready(address, service, app)`` is called once the engine is up, before serving starts."""
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -102,7 +106,7 @@ async def serve(
             await init_app_state(engine, app.state, args, supported)
             await install(app, engine, service, token)
             if on_ready is not None:
-                on_ready(listen_address, service)
+                on_ready(listen_address, service, app)
             uvicorn_kwargs: dict[str, Any] = {}
             log_config = get_uvicorn_log_config(args)
             if log_config is not None:
