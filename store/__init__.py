@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from store.adapters.vllm import VllmAdapter
+    from store.adapters.vllm_engine import VllmEngine
     from store.audit import AuditProblem, AuditReport
     from store.coordinator import (
         CheckpointStateError,
@@ -198,6 +199,7 @@ _MODULES = {
     "ControlClient": "store.http.client",
     "ControlRequestError": "store.errors",
     "VllmAdapter": "store.adapters.vllm",
+    "VllmEngine": "store.adapters.vllm_engine",  # imports vLLM only when an engine is built
     "control_app": "store.http.routes",
     "control_router": "store.http.routes",
     "Continuation": "store.worker.active_call",
@@ -343,6 +345,7 @@ __all__ = [
     "ControlClient",
     "ControlRequestError",
     "VllmAdapter",
+    "VllmEngine",
     "control_app",
     "control_router",
     "Continuation",

