@@ -79,7 +79,7 @@ class Rollout:
         self.history: list[int] = []
         self.parent: tuple[str, str] | None = None  # (model_call_id, chain hash)
 
-    def admit(self, turn: int) -> ActiveCall:
+    async def admit(self, turn: int) -> ActiveCall:
         if self.parent is None:
             admission = CaptureAdmission(rollout_id=self.key, model_call_id=f"c{turn}", mode="text")
         else:
@@ -92,9 +92,8 @@ class Rollout:
                 required_prefix_token_ids=self.history,
                 parent_chain_hash=self.parent[1],
             )
-        call = self.capture.begin_call(admission)
-        self.capture.track(call, prompt_token_ids=[*self.history, *user(self.name, turn)], effective_output_limit=LIMIT)
-        return call
+        prompt = [*self.history, *user(self.name, turn)]
+        return await self.engine.admit(self.capture, admission, prompt_token_ids=prompt, effective_output_limit=LIMIT)
 
     async def finish(self, call: ActiveCall, on_tokens: Any = None) -> None:
         coords = await self.engine.decode(self.capture, call, on_tokens=on_tokens)
@@ -104,7 +103,7 @@ class Rollout:
         self.parent = (coords.model_call_id, coords.chain_hash or "")
 
     async def play(self, turn: int) -> None:
-        await self.finish(self.admit(turn))
+        await self.finish(await self.admit(turn))
 
 
 async def serve(path: str, model: str) -> None:
@@ -139,7 +138,7 @@ async def serve(path: str, model: str) -> None:
 
         async def rollout(name: str) -> None:
             await rollouts[name].play(0)
-            call = rollouts[name].admit(1)
+            call = await rollouts[name].admit(1)
             await rollouts[name].finish(call, gate(name, call))
 
         def serve_cut() -> None:  # the control route's thread

@@ -6,16 +6,19 @@ One ``AsyncLLM`` (``store.adapters.vllm_engine.build_async_llm``) on a tiny Llam
 weights (``tiny_llama(0, hidden_size=128, heads=2)``: head_dim 64, float32; no tokenizer, token
 prompts), started once.  Each round serves the same ``--concurrency`` requests of ``--tokens``
 tokens (distinct 16-token prompts, temperature 1 with a seed per request, ``ignore_eos`` so every
-request decodes its whole budget) twice, in alternating order:
+request decodes its whole budget) three times, in alternating order:
 
 * bare: ``AsyncLLM.generate`` with the same ``SamplingParams`` the engine uses (``logprobs=0``,
   no detokenizing, DELTA outputs), each delta's ids and log-probs appended to lists, as a
   server answering them would;
-* captured: ``VllmEngine.decode`` on a fresh store file: each request admitted, tracked, every
-  delta observable by a cut, completed (staged) at its end; a thread serves a cut of every
+* captured: ``VllmEngine.admit`` and ``VllmEngine.decode`` on a fresh store file: each request
+  admitted and tracked, every delta observable by a cut, completed (staged) at its end; a thread serves a cut of every
   call in flight every 0.5 s (one durable commit each), as a control route would.
 
-The figure is output tokens per second over the block's wall time; the ratio is captured / bare
+* captured without cuts: the same, no cut thread (what admission and completion cost alone).
+
+The figure is output tokens per second over the block's wall time (beside it, the worker
+process's CPU seconds per block: vLLM's engine process is not in it); the ratio is captured / bare
 per round (target >= 0.97x on the median).  vLLM decodes in its engine process, so the store's
 Python runs beside the decode loop, not in it.  On a machine shared with other work the
 spread is wide: compare the per-round ratios, not the absolute figures.  Needs vLLM (``pip
@@ -72,7 +75,7 @@ async def bare(engine: VllmEngine, requests: int, tokens: int, round_number: int
 
 
 async def captured(
-    engine: VllmEngine, requests: int, tokens: int, path: str, cut_seconds: list[float]
+    engine: VllmEngine, requests: int, tokens: int, path: str, cut_seconds: list[float], cuts: bool = True
 ) -> tuple[float, int]:
     with open_store(path) as store:
         capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
@@ -105,15 +108,15 @@ async def captured(
 
         async def one(index: int) -> int:
             key = f"r{index}"
-            call = capture.begin_call(CaptureAdmission(rollout_id=key, model_call_id="c0", mode="text"))
-            capture.track(call, prompt_token_ids=prompt(index), effective_output_limit=tokens)
+            admission = CaptureAdmission(rollout_id=key, model_call_id="c0", mode="text")
+            call = await engine.admit(capture, admission, prompt_token_ids=prompt(index), effective_output_limit=tokens)
             live[key] = call
             coords = await engine.decode(capture, call, seed=index, **SAMPLING)
             del live[key]
             assert coords.disposition == "staged", coords
             return coords.delta_len - len(prompt(index))
 
-        thread = threading.Thread(target=cutter, daemon=True)
+        thread = threading.Thread(target=cutter if cuts else stop.wait, daemon=True)
         start = time.perf_counter()
         thread.start()
         counts = await asyncio.gather(*(one(index) for index in range(requests)))
@@ -129,26 +132,32 @@ async def run(args: Any, folder: str, report: Report) -> None:
 
     model = os.path.join(folder, "tiny-llama")
     tiny_llama(0, hidden_size=128, heads=2).save_pretrained(model)
-    engine = VllmEngine(build_async_llm(model, skip_tokenizer_init=True, max_model_len=1024))
+    engine = VllmEngine(build_async_llm(model, skip_tokenizer_init=True, max_model_len=args.tokens + 64))
     try:
         await bare(engine, args.concurrency, 16, -1)  # warm up
         bare_rates: list[float] = []
         captured_rates: list[float] = []
+        uncut_rates: list[float] = []
+        cpu: dict[str, list[float]] = {"bare": [], "captured": [], "uncut": []}
         cut_seconds: list[float] = []
         for number in range(args.rounds):
-            order = ["bare", "captured"] if number % 2 == 0 else ["captured", "bare"]
+            order = ["bare", "captured", "uncut"] if number % 2 == 0 else ["uncut", "captured", "bare"]
             for kind in order:
+                cpu_before = time.process_time()
                 if kind == "bare":
                     seconds, count = await bare(engine, args.concurrency, args.tokens, number)
                     bare_rates.append(count / seconds)
                 else:
-                    path = os.path.join(folder, f"round-{number}.db")
-                    seconds, count = await captured(engine, args.concurrency, args.tokens, path, cut_seconds)
-                    captured_rates.append(count / seconds)
+                    path = os.path.join(folder, f"round-{number}-{kind}.db")
+                    cuts = kind == "captured"
+                    seconds, count = await captured(engine, args.concurrency, args.tokens, path, cut_seconds, cuts)
+                    (captured_rates if cuts else uncut_rates).append(count / seconds)
+                cpu[kind].append(time.process_time() - cpu_before)
                 assert count == args.concurrency * args.tokens, count
     finally:
         engine.shutdown()
     ratios = [c / b for c, b in zip(captured_rates, bare_rates, strict=True)]
+    uncut_ratios = [c / b for c, b in zip(uncut_rates, bare_rates, strict=True)]
     summary = (statistics.median, min, max)
     cut_ms = [f"{f(cut_seconds) * 1e3:.1f}" for f in summary] if cut_seconds else ["-"] * 3
     report.table(
@@ -158,10 +167,22 @@ async def run(args: Any, folder: str, report: Report) -> None:
             ["bare output tokens/s", *(f"{f(bare_rates):.0f}" for f in summary)],
             ["captured output tokens/s", *(f"{f(captured_rates):.0f}" for f in summary)],
             ["ratio captured/bare per round", *(f"{f(ratios):.3f}x" for f in summary)],
+            ["ratio captured without cuts/bare per round", *(f"{f(uncut_ratios):.3f}x" for f in summary)],
             [f"cut of every call in flight, every {CUT_INTERVAL} s (ms)", *cut_ms],
+            ["worker process CPU s per block, bare", *(f"{f(cpu['bare']):.2f}" for f in summary)],
+            ["worker process CPU s per block, captured", *(f"{f(cpu['captured']):.2f}" for f in summary)],
+            ["worker process CPU s per block, without cuts", *(f"{f(cpu['uncut']):.2f}" for f in summary)],
         ],
     )
-    report.results.update(bare_rates=bare_rates, captured_rates=captured_rates, ratios=ratios, cut_s=cut_seconds)
+    report.results.update(
+        bare_rates=bare_rates,
+        captured_rates=captured_rates,
+        ratios=ratios,
+        uncut_rates=uncut_rates,
+        uncut_ratios=uncut_ratios,
+        cut_s=cut_seconds,
+        worker_cpu_s=cpu,
+    )
     report.targets.append(Target("captured_vs_bare_tokens_per_s", statistics.median(ratios), ">=", TARGET_RATIO))
 
 

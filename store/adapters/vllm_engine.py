@@ -20,6 +20,7 @@ vLLM is optional and imported only when an engine is built: ``pip install vllm``
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import os
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from store.errors import CaptureDataError, ConfigurationError
-from store.wire.records import CommitCoords
+from store.wire.records import CaptureAdmission, CommitCoords
 from store.worker.active_call import ActiveCall
 from store.worker.capture import RolloutTokenCapture
 from store.worker.engine import decoding_plan
@@ -59,6 +60,16 @@ def _vllm() -> Any:
     except ImportError as exc:
         raise ImportError(f"store.adapters.vllm_engine needs vLLM: {INSTALL_HINT}") from exc
     return SamplingParams, TokensPrompt, RequestOutputKind
+
+
+def _request_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request's own data: ``VLLMClientError`` (its 4xx errors, such as
+    a prompt longer than the model takes) where it has one, ``ValueError`` in every release."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def build_async_llm(model: str | os.PathLike[str], **engine_args: Any) -> Any:
@@ -152,8 +163,8 @@ class VllmEngine:
         logprobs)`` runs after each delta is observable by a cut (an awaitable it returns is
         awaited: the call's tokens are not observed further meanwhile, while vLLM decodes on).
         A continued call whose cut had finished decodes nothing.  Raises ``CaptureDataError``
-        when vLLM refuses the request's data (a ``ValueError``: a prompt longer than the model
-        takes, say) or its output carries no log-prob for a token (the request is aborted).
+        when vLLM refuses the request's data (its ``VLLMClientError`` or a ``ValueError``: a
+        prompt longer than the model takes, say) or its output carries no log-prob for a token (the request is aborted).
         """
         _, TokensPrompt, _ = _vllm()
         plan = decoding_plan(capture, call)
@@ -192,7 +203,7 @@ class VllmEngine:
         except CaptureDataError:
             live.detach(None)
             raise
-        except ValueError as exc:  # vLLM's refusal of this request's data (a prompt that does not fit, ...)
+        except _request_errors() as exc:  # vLLM's refusal of this request's data (a prompt that does not fit, ...)
             live.detach(None)
             raise CaptureDataError(f"vLLM refused the request: {exc}") from exc
         except BaseException:
@@ -217,14 +228,40 @@ class VllmEngine:
         **sampling: Any,
     ) -> CommitCoords:
         """``generate``, then complete the call from what was observed; a request vLLM refused
-        or did not finish, or whose output cannot be read, gives ``capture_failed`` coordinates."""
+        or did not finish, or whose output cannot be read, gives ``capture_failed`` coordinates.
+
+        The completion (a durable commit) runs on a worker thread, so the event loop goes on
+        serving the other requests meanwhile, and completions finishing together share one
+        commit (the store's group commit)."""
         try:
             finish = await self.generate(capture, call, request_id=request_id, on_tokens=on_tokens, **sampling)
         except CaptureDataError as exc:
-            return capture.fail_call(call, reason=str(exc))
+            return await asyncio.to_thread(capture.fail_call, call, reason=str(exc))
         if finish is None:
-            return capture.fail_call(call, reason="vLLM ended the request without finishing it (aborted)")
-        return capture.complete_observed(call)
+            reason = "vLLM ended the request without finishing it (aborted)"
+            return await asyncio.to_thread(capture.fail_call, call, reason=reason)
+        return await asyncio.to_thread(capture.complete_observed, call)
+
+    async def admit(
+        self,
+        capture: RolloutTokenCapture,
+        admission: CaptureAdmission,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        effective_output_limit: int | None = None,
+        **begin: Any,
+    ) -> ActiveCall:
+        """``capture.begin_call(admission, **begin)`` and ``capture.track(call, ...)`` on a worker
+        thread (the admission is a durable commit): the event loop goes on meanwhile, and
+        admissions arriving together share one commit.  A continued admission (one carrying a
+        ``generation_cut``) is tracked with its own engine prompt and limit: leave both out."""
+
+        def admit() -> ActiveCall:
+            call = capture.begin_call(admission, **begin)
+            capture.track(call, prompt_token_ids=prompt_token_ids, effective_output_limit=effective_output_limit)
+            return call
+
+        return await asyncio.to_thread(admit)
 
 
 async def _told(on_tokens: OnTokens, ids: Sequence[int], logprobs: Sequence[float]) -> None:
