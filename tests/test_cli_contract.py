@@ -90,6 +90,7 @@ def test_the_printed_command_is_the_bare_name_on_path_and_relative_inside_the_fo
 NOT_RUN_HERE = {
     "demo": "the main job itself, at other sizes (docs/cli.md's demo line runs in tests/test_docs.py)",
     "serve": "runs until stopped (tests/test_cli_serve.py and tests/test_docs.py start and stop it)",
+    "vllm-serve": "runs vLLM until stopped (tests/test_vllm_serve.py starts and stops it)",
 }
 EXAMPLE_INPUTS = {"done.txt": "run1-r1\nrun1-r1-a1\n", "token.txt": "change-me\n"}  # files the examples read
 
@@ -455,7 +456,7 @@ def test_every_command_refuses_an_unknown_option_with_2(command: str, capsys: An
     assert_one_line_error(err)
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c not in ("demo", "ship", "serve")])
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c not in ("demo", "ship", "serve", "vllm-serve")])
 def test_every_command_refuses_a_missing_store_with_3(
     command: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -33,15 +33,21 @@ class VllmAdapter:
         (``prefix_ids`` non-empty) ride as ``required_prefix_token_ids``."""
         if not isinstance(request, Mapping):
             raise CaptureDataError(f"a vLLM request must be a JSON object, got {type(request).__name__}")
-        forced = {key: value for key, value in request.items() if key not in _STREAM_ONLY}
+        # echo would put the prompt (and its log-probs, the first null) in front of the answer.
+        forced = {key: value for key, value in request.items() if key not in _STREAM_ONLY and key != "echo"}
         forced["stream"] = False
+        forced["return_token_ids"] = True
+        if isinstance(forced.get("sampling_params"), Mapping) and "token_ids" in forced:
+            # vLLM's token-in route (/inference/v1/generate): sampling options in sampling_params.
+            forced["sampling_params"] = {**forced["sampling_params"], "logprobs": 0}
+            forced.pop("required_prefix_token_ids", None)
+            return forced
         if "messages" in forced:  # chat: logprobs is a flag, top_logprobs a count
             forced["logprobs"] = True
             forced["top_logprobs"] = 0
         else:  # completions: logprobs is the count of alternatives beside the sampled token
             forced["logprobs"] = 0
         forced["return_tokens_as_token_ids"] = True
-        forced["return_token_ids"] = True
         prefix = _ints("prefix_ids", prefix_ids)
         if prefix:
             forced["required_prefix_token_ids"] = prefix
@@ -164,7 +170,9 @@ def _logprob_entries(logprobs: Any) -> tuple[list[Any], list[float]]:
         content = logprobs["content"] or []
         if not isinstance(content, list) or not all(isinstance(entry, Mapping) for entry in content):
             raise CaptureDataError("logprobs.content must be a list of objects")
-        return [entry.get("token") for entry in content], [_logprob(entry.get("logprob")) for entry in content]
+        # The token-in route's entries name the token as an int ``token_id``; OpenAI's as ``token``.
+        tokens = [entry["token_id"] if "token_id" in entry else entry.get("token") for entry in content]
+        return tokens, [_logprob(entry.get("logprob")) for entry in content]
     tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
     if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
         raise CaptureDataError("logprobs.tokens and logprobs.token_logprobs must be lists of one length")
@@ -172,6 +180,8 @@ def _logprob_entries(logprobs: Any) -> tuple[list[Any], list[float]]:
 
 
 def _token_id(token: Any) -> int:
+    if type(token) is int and token >= 0:  # the token-in route's ``token_id``
+        return token
     if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
         raise CaptureDataError(f"log-prob token {token!r} is not token_id:<n> (request return_tokens_as_token_ids)")
     digits = token[len(TOKEN_ID_PREFIX) :]

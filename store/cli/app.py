@@ -35,6 +35,7 @@ COMMANDS = {
     "receipts": "store.cli.receipts:receipts",
     "ship": "store.cli.ship:ship",
     "serve": "store.cli.serve:serve",
+    "vllm-serve": "store.cli.vllm_serve:vllm_serve",
 }
 
 
