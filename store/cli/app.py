@@ -137,13 +137,14 @@ def _version() -> str:
 def cli(quiet: bool, verbose: bool) -> None:
     """A durable token staging store for RL inference workers.
 
-    A command takes the store as its first argument (a SQLite path or a postgresql:// URL) or,
-    when that is left out, reads $STAGING_STORE (all but `demo`, which takes --path, and `ship`,
-    which takes SRC and DST).  Read commands open it read-only and never change a byte; only `migrate`, `replay
-    --repair`, `ship` (its DST), `serve` (on request), `vllm-serve` (the calls it serves) and the
-    retention commands (retire, forget, delete, compact) write, and only `migrate --create` creates
-    a store.  Every command but `serve` and `vllm-serve` has --json; the listings (rollouts, keys, versions, workers, receipts) also --jsonl,
-    --csv, --tsv and --limit.  NO_COLOR=1 turns colours off; shell completion: see docs/cli.md.
+    A command takes the store as its first argument (a SQLite path or a postgresql:// URL) or, when
+    that is left out, reads $STAGING_STORE (all but `demo`, which takes --path, and `ship`, which
+    takes SRC and DST). Read commands open it read-only and never change a byte; only `migrate`,
+    `replay --repair`, `ship` (its DST), `serve` (on request), `vllm-serve` (the calls it serves)
+    and the retention commands (retire, forget, delete, compact) write, and only `migrate --create`
+    creates a store. Every command but `serve` and `vllm-serve` has --json; the listings (rollouts,
+    keys, versions, workers, receipts) also --jsonl, --csv, --tsv and --limit. NO_COLOR=1 turns
+    colours off; shell completion: see docs/cli.md.
     """
     output.QUIET[0] = quiet
     VERBOSE[0] = verbose
