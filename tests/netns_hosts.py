@@ -1,8 +1,11 @@
 """Simulated hosts for the host-loss test and its soak: network namespaces (iproute2 ``ip netns``),
 each joined to the root namespace by a veth pair and given a tmpfs of its own for its local store.
 
-Host ``i`` is namespace ``sts<tag>h<i>``; its end of the pair has 10.77.<100+i>.2/24, the root
-namespace's end 10.77.<100+i>.1/24 (where the replica listens).  ``destroy`` is the host's loss:
+Host ``i`` is namespace ``sts<tag>h<i>``; its end of the pair has 10.<b>.<100+i>.2/24, the root
+namespace's end 10.<b>.<100+i>.1/24 (where the replica listens).  ``b`` is one run's own block
+(``Hosts.network``): two runs at once (pytest-xdist's workers, a soak beside the tests) must
+never both route 10.<b>.<100+i>.0/24 from the root namespace, or one run's replies reach the
+other's hosts and a healthy link looks cut.  ``destroy`` is the host's loss:
 every process in its namespace SIGKILLed, its tmpfs unmounted (the local store is gone), the
 namespace and its link deleted.  ``partition``/``mend`` take the root side of its link down/up.
 """
@@ -10,6 +13,7 @@ namespace and its link deleted.  ``partition``/``mend`` take the root side of it
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -22,6 +26,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("host_worker.py")
+BLOCKS = range(64, 128)  # the second octets a run may take: 10.64.0.0/16 to 10.127.0.0/16
+
+
+def _claim_block() -> tuple[int, int]:
+    """A block no other live run holds, as (second octet, the held lock's fd): each block's lock
+    file is flocked for the run's life (released when its process dies, however it dies), and a
+    block still on a root-namespace link (a killed run's leftovers) is skipped."""
+    used = _ip("-o", "-4", "addr", "show").stdout
+    folder = Path(tempfile.gettempdir())
+    for octet in BLOCKS:
+        fd = os.open(folder / f"staging-store-netns-{octet}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if f" 10.{octet}." in used:
+            os.close(fd)
+            continue
+        return octet, fd
+    raise RuntimeError(f"every address block 10.{BLOCKS[0]}-{BLOCKS[-1]}.0.0/16 is taken by a live run")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -48,12 +73,18 @@ class Host:
     index: int
     root_link: str
     folder: Path
+    block: int  # the second octet of its run's addresses
     processes: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
     def replica_address(self) -> str:
         """The root namespace's address as this host sees it (where the replica listens)."""
-        return f"10.77.{100 + self.index}.1"
+        return f"10.{self.block}.{100 + self.index}.1"
+
+    @property
+    def address(self) -> str:
+        """This host's own address (its connections come from it)."""
+        return f"10.{self.block}.{100 + self.index}.2"
 
     def spawn(self, args: Sequence[str], worker: Path = WORKER) -> subprocess.Popen[str]:
         """``python tests/host_worker.py ARGS`` (or another ``worker`` program) in this host's namespace."""
@@ -78,22 +109,29 @@ class Hosts:
     def __init__(self) -> None:
         self.tag = os.getpid() % 100000
         self.hosts: list[Host] = []
+        self.block, self._lock = _claim_block()
+
+    @property
+    def network(self) -> str:
+        """Every address of this run's hosts (for a server's pg_hba.conf)."""
+        return f"10.{self.block}.0.0/16"
 
     def address(self, index: int) -> str:
-        return f"10.77.{100 + index}.1"
+        """The root namespace's end of host ``index``'s link (where the replica listens)."""
+        return f"10.{self.block}.{100 + index}.1"
 
     def add(self, index: int) -> Host:
         name = f"sts{self.tag}h{index}"
         root_link, host_link = f"sts{self.tag}r{index}", f"sts{self.tag}x{index}"
         folder = Path(tempfile.mkdtemp(prefix=f"store-host{index}-"))
         _ip("netns", "add", name)
-        host = Host(name, index, root_link, folder)
+        host = Host(name, index, root_link, folder, self.block)
         self.hosts.append(host)
         _ip("link", "add", root_link, "type", "veth", "peer", "name", host_link)
         _ip("link", "set", host_link, "netns", name)
         _ip("addr", "add", f"{self.address(index)}/24", "dev", root_link)
         _ip("link", "set", root_link, "up")
-        _ip("-n", name, "addr", "add", f"10.77.{100 + index}.2/24", "dev", host_link)
+        _ip("-n", name, "addr", "add", f"{host.address}/24", "dev", host_link)
         _ip("-n", name, "link", "set", host_link, "up")
         _ip("-n", name, "link", "set", "lo", "up")
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(folder)], check=True)
@@ -137,6 +175,9 @@ class Hosts:
     def close(self) -> None:
         for host in list(self.hosts):
             self.destroy(host)
+        if self._lock >= 0:
+            os.close(self._lock)  # the block is free for the next run
+            self._lock = -1
 
 
 @contextlib.contextmanager

@@ -78,7 +78,7 @@ class Fleet:
         addresses = ",".join(["127.0.0.1", *(hosts.address(host.index) for host in made)])
         self.server = pg_cluster.Cluster(template, {"listen_addresses": addresses})
         with open(self.server.data / "pg_hba.conf", "a") as hba:
-            hba.write("host all all 10.77.0.0/16 trust\n")
+            hba.write(f"host all all {hosts.network} trust\n")
         self.server.start()
         open_store(self.server.url()).close()  # migrated once, before the hosts open it
         self.stagers = [self._stager(host) for host in made[:stagers]]
@@ -107,7 +107,7 @@ class Fleet:
             "SELECT a.pid, a.state, a.wait_event, EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid "
             "AND l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = 1 "
             f"AND l.classid = {lock >> 32} AND l.objid = {lock & 0xFFFFFFFF}) "
-            f"FROM pg_stat_activity a WHERE a.client_addr = '10.77.{100 + host.index}.2'"
+            f"FROM pg_stat_activity a WHERE a.client_addr = '{host.address}'"
         )
         return {int(pid): (str(state), event, bool(holds)) for pid, state, event, holds in rows}  # type: ignore[call-overload]
 

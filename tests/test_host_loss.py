@@ -39,7 +39,7 @@ def replica_cluster(template: Path, hosts: netns_hosts.Hosts, count: int) -> pg_
     addresses = ",".join(["127.0.0.1", *(hosts.address(index) for index in range(count))])
     server = pg_cluster.Cluster(template, {"listen_addresses": addresses})
     with open(server.data / "pg_hba.conf", "a") as hba:
-        hba.write("host all all 10.77.0.0/16 trust\n")
+        hba.write(f"host all all {hosts.network} trust\n")
     return server
 
 

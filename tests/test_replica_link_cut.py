@@ -41,7 +41,7 @@ def host_and_replica(pg_template: Path) -> Iterator[tuple[netns_hosts.Hosts, pg_
         made.add(0)
         server = pg_cluster.Cluster(pg_template, {"listen_addresses": f"127.0.0.1,{made.address(0)}"})
         with open(server.data / "pg_hba.conf", "a") as hba:
-            hba.write("host all all 10.77.0.0/16 trust\n")
+            hba.write(f"host all all {made.network} trust\n")
         try:
             server.start()
             yield made, server

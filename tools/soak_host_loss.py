@@ -47,11 +47,11 @@ def main() -> int:
     calls = range(1, args.calls + 1)
     template = pg_cluster.make_template(Path(tempfile.mkdtemp(prefix="store-soak-pg-")))
     server = pg_cluster.Cluster(template, {"listen_addresses": "*"})
-    with open(server.data / "pg_hba.conf", "a") as hba:
-        hba.write("host all all 10.77.0.0/16 trust\n")
     tally = {"rounds": 0, "continued": 0, "from_older_cut": 0, "failures_said": 0, "mismatches": 0}
     started = time.monotonic()
     with netns_hosts.hosts() as hosts:
+        with open(server.data / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {hosts.network} trust\n")
         host_b = hosts.add(1)
         server.start()
         try:
