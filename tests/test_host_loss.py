@@ -28,10 +28,7 @@ REASON = netns_hosts.why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 NCALLS = 4
-# The workers' replica_wait.  Every acknowledgement now waits for a ship round that started after
-# it and heard from the replica (issue 33, item 2): 1.5 s was short of that on a loaded CI machine
-# (a healthy link's first cut answered durable_failure once in a full parallel run; never alone).
-WAIT = 5.0
+WAIT = 1.5  # the workers' replica_wait
 
 
 def replica_cluster(template: Path, hosts: netns_hosts.Hosts, count: int) -> pg_cluster.Cluster:
