@@ -1,4 +1,5 @@
-"""A full disk, for real (issue 22): a SQLite store on a small tmpfs is staged into until the
+"""A full disk, for real (issue 22): a SQLite store on a small tmpfs, and on a small ext4 on a
+loop device (a block file system: delayed allocation, a journal), is staged into until the
 file system is full; once space comes back, staging comes back by itself, and nothing
 acknowledged is lost.  Needs root to mount the tmpfs (skipped otherwise).
 
@@ -29,19 +30,53 @@ pytestmark = pytest.mark.skipif(
 DISK_BYTES = 12 * 1024 * 1024
 
 
-@pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Path]:
-    where = tmp_path / "disk"
-    where.mkdir()
+def mount_tmpfs(where: Path, size: int) -> None:
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(where)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+
+def mount_ext4(where: Path, image: Path, size: int) -> None:
+    """A block file system (delayed allocation, a journal), on a loop device, no reserved blocks."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("mkfs.ext4 is not installed")
+    image.write_bytes(b"")
+    os.truncate(image, size)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make an ext4 image here: {made.stderr.strip()}")
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(where)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def mounted(tmp_path: Path, kind: str) -> Iterator[Path]:
+    where = tmp_path / "disk"
+    where.mkdir()
+    if kind == "tmpfs":
+        mount_tmpfs(where, DISK_BYTES)
+    else:
+        mount_ext4(where, tmp_path / "disk.img", 2 * DISK_BYTES)
     try:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture(params=["tmpfs", "ext4"])
+def disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    with mounted(tmp_path, request.param) as where:
+        yield where
+
+
+@pytest.fixture
+def tmpfs_disk(tmp_path: Path) -> Iterator[Path]:
+    """Only a tmpfs: a full ext4 still opens a store (its -shm file finds room), which is fine."""
+    with mounted(tmp_path, "tmpfs") as where:
+        yield where
 
 
 def free_bytes(where: Path) -> int:
@@ -96,9 +131,10 @@ def test_staging_comes_back_by_itself_once_space_returns(disk: Path) -> None:
     assert not wal.exists() or wal.stat().st_size < 2 * 1024 * 1024  # given back once checkpointed
 
 
-def test_opening_a_store_on_a_full_disk_says_the_disk_is_full(disk: Path) -> None:
+def test_opening_a_store_on_a_full_disk_says_the_disk_is_full(tmpfs_disk: Path) -> None:
     """SQLite says "disk I/O error" (it cannot grow the -shm file): the store says why, and
     opens again once there is room, with what it held."""
+    disk = tmpfs_disk
     with open_store(disk / "store.db") as store:
         key = store.stage(record(1, 500)).staging_key
     filler = fill(disk, leave=0)
@@ -145,6 +181,30 @@ def test_the_next_stage_after_space_returns_succeeds(disk: Path, durability: str
             worker.join()
         assert acknowledged and all("disk is full" in failure for failure in failures), failures[:1]
         filler.unlink()
+        acknowledged.append(store.stage(record(999_999, 500)).staging_key)  # the very next stage
+        assert len(store.fetch(acknowledged)) == len(acknowledged)
+        report = store.audit()
+        assert report.ok, report.summary()
+
+
+def test_a_store_that_filled_the_disk_itself_stages_once_another_file_goes(disk: Path) -> None:
+    """The store's own -wal and database take the last of the space (no filler made after it);
+    another file, there before the store, is deleted: the next stage succeeds, nothing lost."""
+    spare = disk / "spare"
+    spare.write_bytes(b"\0" * (2 * 1024 * 1024))
+    acknowledged: list[str] = []
+    failures = 0
+    with open_store(disk / "store.db") as store:
+        index = 0
+        while failures < 20 and index < 100_000:
+            try:
+                acknowledged.append(store.stage(record(index, 2000)).staging_key)
+            except StorageError as exc:
+                assert "disk is full" in str(exc)
+                failures += 1
+            index += 1
+        assert failures == 20 and len(acknowledged) > 10
+        spare.unlink()
         acknowledged.append(store.stage(record(999_999, 500)).staging_key)  # the very next stage
         assert len(store.fetch(acknowledged)) == len(acknowledged)
         report = store.audit()
