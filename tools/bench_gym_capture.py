@@ -17,7 +17,9 @@ store's) and the report gives the median, min and max of the per-round ratios, f
 call (``complete_call``, capture plus sink) and for the sink alone (time inside ``stage``);
 and, for scale, the same records prebuilt by Gym's capture before the clock and staged straight
 into each sink from the same threads (``prebuilt records, sink only``: no Gym capture code
-holding the interpreter lock between stages).
+holding the interpreter lock between stages); and the ceiling of the whole-call ratio, Gym's
+time over that of the same capture into a sink that does nothing (``a sink doing nothing``):
+Gym's capture code is on both sides, so no sink, however fast, can pass it.
 
     .venv/bin/python tools/bench_gym_capture.py [--quick] [--json] [--rounds R] [--block B] [--tokens P,G]
 
@@ -216,7 +218,7 @@ def main() -> None:
     with temp_dir(args.dir) as base:
         report.notes.append(f"fsync on the benchmark's file system: {fsync_seconds(base) * 1e3:.2f} ms")
         for threads in THREADS:
-            ratios: dict[str, list[float]] = {"call": [], "sink": [], "prebuilt": []}
+            ratios: dict[str, list[float]] = {"call": [], "sink": [], "prebuilt": [], "ceiling": []}
             seconds: dict[str, list[float]] = {"store": [], "gym": []}
             for round_index in range(rounds):
                 tag = f"b{threads}-{round_index}"
@@ -228,7 +230,8 @@ def main() -> None:
                 ]
                 if round_index % 2:
                     order.reverse()
-                for name, make in order:
+                # The ceiling: Gym's capture into a sink that does nothing (its own Python alone).
+                for name, make in [*order, ("none", lambda at: _Keep())]:
                     folder = os.path.join(base, f"{tag}-{name}")
                     os.makedirs(folder)
                     sink = make(folder)
@@ -250,12 +253,18 @@ def main() -> None:
                             sink.close()
                 ratios["prebuilt"].append(sink_only["gym"] / sink_only["store"])
                 ratios["call"].append(results["gym"][0] / results["store"][0])
+                ratios["ceiling"].append(results["gym"][0] / results["none"][0])
                 ratios["sink"].append(results["gym"][1] / results["store"][1])
                 calls = threads * block
                 seconds["store"].append(results["store"][0] / calls)
                 seconds["gym"].append(results["gym"][0] / calls)
-            labels = {"call": "whole call", "sink": "sink alone", "prebuilt": "prebuilt records, sink only"}
-            for what in ("call", "sink", "prebuilt"):
+            labels = {
+                "call": "whole call",
+                "sink": "sink alone",
+                "prebuilt": "prebuilt records, sink only",
+                "ceiling": "whole call, a sink doing nothing",
+            }
+            for what in ("call", "sink", "prebuilt", "ceiling"):
                 values = ratios[what]
                 median = statistics.median(values)
                 rows.append(
@@ -269,6 +278,8 @@ def main() -> None:
                     ]
                 )
                 report.results[f"x{threads}_{what}"] = {"median": median, "min": min(values), "max": max(values)}
+                if what == "ceiling":
+                    continue  # no target: the most any sink could reach on the whole call
                 report.targets.append(
                     Target(f"store vs Gym file store, {threads} thread(s), {what}", median, ">=", 2.0)
                 )

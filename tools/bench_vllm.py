@@ -1,11 +1,14 @@
 """Output tokens/s of vLLM's AsyncLLM serving with capture and cuts, against the same vLLM bare.
 
-    python tools/bench_vllm.py [--rounds 5] [--concurrency 16] [--tokens 256] [--quick] [--json]
+    python tools/bench_vllm.py [--rounds 5] [--concurrency 16] [--requests N] [--tokens 256] [--quick] [--json]
 
 One ``AsyncLLM`` (``store.adapters.vllm_engine.build_async_llm``) on a tiny Llama with random
 weights (``tiny_llama(0, hidden_size=128, heads=2)``: head_dim 64, float32; no tokenizer, token
-prompts), started once.  Each round serves the same ``--concurrency`` requests of ``--tokens``
-tokens (distinct 16-token prompts, temperature 1 with a seed per request, ``ignore_eos`` so every
+prompts), started once.  Each round serves the same ``--requests`` requests of ``--tokens``
+tokens, ``--concurrency`` at a time (default: one burst, requests = concurrency; with more
+requests than that, each finished request's place is taken by the next at once, as a server
+under steady load: one request's admission and completion then overlap the others' decoding;
+distinct 16-token prompts, temperature 1 with a seed per request, ``ignore_eos`` so every
 request decodes its whole budget) three times, in alternating order:
 
 * bare: ``AsyncLLM.generate`` with the same ``SamplingParams`` the engine uses (``logprobs=0``,
@@ -33,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,20 @@ def prompt(index: int) -> list[int]:
 SAMPLING = {"temperature": 1.0, "ignore_eos": True}
 
 
-async def bare(engine: VllmEngine, requests: int, tokens: int, round_number: int) -> tuple[float, int]:
+async def served(one: Callable[[int], Awaitable[int]], requests: int, concurrency: int) -> list[int]:
+    """``one(index)`` for every request, at most ``concurrency`` at a time."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def held(index: int) -> int:
+        async with slots:
+            return await one(index)
+
+    return await asyncio.gather(*(held(index) for index in range(requests)))
+
+
+async def bare(
+    engine: VllmEngine, requests: int, tokens: int, round_number: int, concurrency: int | None = None
+) -> tuple[float, int]:
     from vllm.inputs import TokensPrompt
 
     async def one(index: int) -> int:
@@ -70,12 +87,18 @@ async def bare(engine: VllmEngine, requests: int, tokens: int, round_number: int
         return len(ids)
 
     start = time.perf_counter()
-    counts = await asyncio.gather(*(one(index) for index in range(requests)))
+    counts = await served(one, requests, concurrency or requests)
     return time.perf_counter() - start, sum(counts)
 
 
 async def captured(
-    engine: VllmEngine, requests: int, tokens: int, path: str, cut_seconds: list[float], cuts: bool = True
+    engine: VllmEngine,
+    requests: int,
+    tokens: int,
+    path: str,
+    cut_seconds: list[float],
+    cuts: bool = True,
+    concurrency: int | None = None,
 ) -> tuple[float, int]:
     with open_store(path) as store:
         capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
@@ -119,7 +142,7 @@ async def captured(
         thread = threading.Thread(target=cutter if cuts else stop.wait, daemon=True)
         start = time.perf_counter()
         thread.start()
-        counts = await asyncio.gather(*(one(index) for index in range(requests)))
+        counts = await served(one, requests, concurrency or requests)
         elapsed = time.perf_counter() - start
         stop.set()
         thread.join()
@@ -145,15 +168,17 @@ async def run(args: Any, folder: str, report: Report) -> None:
             for kind in order:
                 cpu_before = time.process_time()
                 if kind == "bare":
-                    seconds, count = await bare(engine, args.concurrency, args.tokens, number)
+                    seconds, count = await bare(engine, args.requests, args.tokens, number, args.concurrency)
                     bare_rates.append(count / seconds)
                 else:
                     path = os.path.join(folder, f"round-{number}-{kind}.db")
                     cuts = kind == "captured"
-                    seconds, count = await captured(engine, args.concurrency, args.tokens, path, cut_seconds, cuts)
+                    seconds, count = await captured(
+                        engine, args.requests, args.tokens, path, cut_seconds, cuts, args.concurrency
+                    )
                     (captured_rates if cuts else uncut_rates).append(count / seconds)
                 cpu[kind].append(time.process_time() - cpu_before)
-                assert count == args.concurrency * args.tokens, count
+                assert count == args.requests * args.tokens, count
     finally:
         engine.shutdown()
     ratios = [c / b for c, b in zip(captured_rates, bare_rates, strict=True)]
@@ -161,7 +186,8 @@ async def run(args: Any, folder: str, report: Report) -> None:
     summary = (statistics.median, min, max)
     cut_ms = [f"{f(cut_seconds) * 1e3:.1f}" for f in summary] if cut_seconds else ["-"] * 3
     report.table(
-        f"{args.concurrency} concurrent requests of {args.tokens} tokens, {args.rounds} rounds (median, min, max)",
+        f"{args.requests} requests of {args.tokens} tokens, {args.concurrency} at a time, {args.rounds} rounds "
+        "(median, min, max)",
         ["", "median", "min", "max"],
         [
             ["bare output tokens/s", *(f"{f(bare_rates):.0f}" for f in summary)],
@@ -190,14 +216,17 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="bare/captured rounds (default 5, 2 with --quick)")
     p.add_argument("--concurrency", type=int, default=16, help="concurrent requests (default 16)")
+    p.add_argument("--requests", type=int, default=None, help="requests per block (default: --concurrency, one burst)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default 256, 64 with --quick)")
     args = p.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 5)
+    args.requests = args.requests or args.concurrency
     args.tokens = args.tokens or (64 if args.quick else 256)
     report = Report("bench_vllm")
     report.params.update(
         model="tiny_llama (vocab 512, hidden 128, 2 heads, 2 layers, float32)",
         concurrency=args.concurrency,
+        requests=args.requests,
         tokens=args.tokens,
         rounds=args.rounds,
         cut_interval_s=CUT_INTERVAL,
