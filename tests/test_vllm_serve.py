@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import BACKENDS
 from vllm_support import EOS_ID, apply_vllm_env, kill_vllm, remove_shm, requires_vllm, tiny_model
 
 pytestmark = [requires_vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -50,7 +51,7 @@ def _free_port() -> int:
 class Server:
     """A ``staging-store vllm-serve`` process on a free port."""
 
-    def __init__(self, workdir: Path, store: Path, version: int, coordinator: str) -> None:
+    def __init__(self, workdir: Path, store: str, version: int, coordinator: str) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.model = str(tiny_model())
@@ -110,17 +111,27 @@ class Server:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-serve")
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The server's store: a SQLite file, and a PostgreSQL schema of the run's own database
+    when ``STORE_TEST_POSTGRES_URL`` is set (the whole module runs on each)."""
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def store_path(workdir: Path) -> Path:
+def workdir(tmp_path_factory: pytest.TempPathFactory, backend: str) -> Path:
+    return tmp_path_factory.mktemp(f"vllm-serve-{backend}")
+
+
+@pytest.fixture(scope="module")
+def store_path(request: pytest.FixtureRequest, workdir: Path, backend: str) -> str:
     from store.cli.app import main
 
-    path = workdir / "worker.db"
-    assert main(["migrate", str(path), "--create"]) == 0
+    if backend == "sqlite":
+        path = str(workdir / "worker.db")
+    else:
+        path = f"{request.getfixturevalue('postgres_run_url')}?schema=vllm_serve"
+    assert main(["migrate", path, "--create"]) == 0
     return path
 
 
@@ -134,7 +145,7 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(workdir: Path, store_path: Path) -> Iterator[Live]:
+def live(workdir: Path, store_path: str) -> Iterator[Live]:
     from store import Coordinator
 
     coordinator = Coordinator(workdir / "coordinator.sock", expected_workers=1).start()
@@ -219,7 +230,7 @@ def test_echo_is_stripped_and_the_call_staged(first: Server) -> None:
     assert "ng_commit_coords" not in plain and plain["choices"][0]["logprobs"]["token_logprobs"][0] is None
 
 
-def test_the_token_in_route_is_captured_and_its_token_id_logprobs_read(first: Server, store_path: Path) -> None:
+def test_the_token_in_route_is_captured_and_its_token_id_logprobs_read(first: Server, store_path: str) -> None:
     from store import CaptureAdmission, RolloutTokenCapture, VllmAdapter, open_store
 
     request = {"token_ids": [1, 5, 27, 28, 29, 6], "sampling_params": {"max_tokens": 6, "temperature": 0}}
@@ -274,7 +285,7 @@ def _chat_turns(server: Server, rollout: str, last_limit: int) -> tuple[list[dic
 
 
 def test_scenario_cut_over_http_kill_every_process_continue_on_a_fresh_server(
-    live: Live, workdir: Path, store_path: Path
+    live: Live, workdir: Path, store_path: str
 ) -> None:
     from store import capture_key, open_store
 
@@ -363,7 +374,7 @@ def test_scenario_cut_over_http_kill_every_process_continue_on_a_fresh_server(
         assert store.replay().ok
 
 
-def test_gyms_own_model_server_capture_path_commits_through_the_server(first: Server, store_path: Path) -> None:
+def test_gyms_own_model_server_capture_path_commits_through_the_server(first: Server, store_path: str) -> None:
     """NeMo Gym 0.7.0's VLLMWorkerCaptureHandler and resolve_parent drive two turns: the second
     is admitted token_in by Gym's parent resolution (a staging chain, no inline prefix)."""
     external = pytest.importorskip("nemo_gym.token_id_capture.external_capture", reason="needs nemo-gym 0.7.0")
