@@ -194,6 +194,20 @@ def test_enter_prefix_forces_capture_fields_without_changing_the_request() -> No
         adapter.enter_prefix(chat, [1, -1])
 
 
+def test_a_call_sampled_by_two_weight_versions_is_refused() -> None:
+    """vLLM's token-in route reports which weight version sampled each output token; a record
+    stamps one version for the whole call, so spans of two versions are refused (the call is
+    then ``capture_failed``), one version's span is read as before."""
+    one = chat_response()
+    one["choices"][0]["weight_versions"] = [{"version": "7", "start": 0, "end": 3}]
+    assert VllmAdapter().extract_generation(one) == (GENERATED, LOGPROBS)
+    two = chat_response()
+    spans = [{"version": "7", "start": 0, "end": 2}, {"version": "8", "start": 2, "end": 3}]
+    two["choices"][0]["weight_versions"] = spans
+    with pytest.raises(CaptureDataError, match=r"across a weight update \('7' from token 0, '8' from token 2\)"):
+        VllmAdapter().extract_generation(two)
+
+
 def test_pydantic_style_responses_are_read_through_model_dump() -> None:
     class Dumped:
         def model_dump(self) -> dict[str, Any]:

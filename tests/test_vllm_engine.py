@@ -147,6 +147,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         second.expect("reference")
         found["thread_cut"] = second.expect("thread_cut")
         found["stop"] = second.expect("stop")
+        found["weight_update"] = second.expect("weight_update")
         found["too_long"] = second.expect("too_long")
         second.expect("done")
         segments = vllm_support.shm_segments([second.process.pid, *vllm_support.vllm_descendants(second.process.pid)])
@@ -273,6 +274,20 @@ def test_a_stop_token_ends_the_call_with_finish_stop_as_its_last_token(scenario:
     first = free["generated"].index(stop)
     assert stopped["finish"] == "stop" and stopped["state"] == "completed"
     assert stopped["generated"] == free["generated"][: first + 1]
+
+
+@requires_vllm
+def test_a_call_decoded_across_a_weight_update_is_refused(scenario: dict[str, Any]) -> None:
+    """vLLM reports which weight version sampled each output token; a record stamps one for the
+    whole call, so a call during which the version changed is ``capture_failed`` (not staged
+    with a version wrong for part of it), and the next call, under one version, is staged."""
+    found = scenario["weight_update"]
+    across, after = found["across"], found["after"]
+    assert across["observed"] > 4  # the update came mid-call
+    assert across["disposition"] == "capture_failed" and across["state"] == "failed", across
+    [reason] = [line for line in found["failures"] if "w-across/c0" in line]
+    assert "across a weight update" in reason and "'w2' from token" in reason, reason
+    assert after["disposition"] == "staged" and after["state"] == "completed", after
 
 
 @requires_vllm

@@ -70,6 +70,7 @@ class Server:
         ]  # fmt: skip
         self.log = (workdir / f"server-{version}.log").open("wb")
         env = apply_vllm_env(dict(os.environ))
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's RL routes: /update_weight_version
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_up()
 
@@ -266,6 +267,35 @@ def _cut(server: Server, rollouts: list[str], call_ids: list[str], checkpoint: s
         return list(client.generation_cut(inventory).prefixes)
 
 
+def test_a_call_decoded_across_a_weight_update_is_capture_failed(first: Server) -> None:
+    """vLLM's ``/update_weight_version`` (its RL routes, dev mode) relabels the weights while a
+    call decodes: the answer carries ``capture_failed`` coordinates, not a record stamping one
+    version on tokens two versions sampled; the next call, under one version, is staged."""
+    import httpx
+
+    body = {"model": first.model, "prompt": [1, 5, 36, 37, 6], "max_tokens": 700, "temperature": 0}
+    answers: dict[str, Any] = {}
+
+    def send() -> None:
+        answers["across"] = first.post("/v1/completions", {**body, "ignore_eos": True, "ng_capture": root("w-1")})
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 120
+    for probe in range(100_000):  # until a cut holds some of its tokens: it is decoding
+        [ack] = _cut(first, ["w-1"], ["c0"], f"w-probe-{probe}")
+        if ack.disposition == "durable_prefix" and ack.cut_kind == "active_prefix":
+            break
+        assert time.monotonic() < deadline and sender.is_alive(), ack
+        time.sleep(0.05)
+    updated = httpx.post(f"{first.base}/update_weight_version", json={"new_version": "w2"}, timeout=60)
+    assert updated.status_code == 200, updated.text
+    sender.join(240)
+    assert answers["across"]["ng_commit_coords"]["disposition"] == "capture_failed"
+    after = first.post("/v1/completions", {**body, "max_tokens": 5, "ng_capture": root("w-2")})
+    assert after["ng_commit_coords"]["disposition"] == "staged"
+
+
 def _chat_turns(server: Server, rollout: str, last_limit: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Two turns ending on EOS; returns the third turn's messages and its admission."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": "du fa fe"}]
@@ -357,7 +387,7 @@ def test_scenario_cut_over_http_kill_every_process_continue_on_a_fresh_server(
     second.post("/v1/completions", {**completion, "ng_capture": root("cmpl-ref")})
 
     with open_store(store_path) as store:
-        rows = _export(store)
+        rows = _export(store, ["chat-r", "chat-ref", "cmpl-r", "cmpl-ref"])
         for cut, reference, ack in (("chat-r", "chat-ref", chat_ack), ("cmpl-r", "cmpl-ref", completion_ack)):
             got, want = rows[cut], rows[reference]
             assert got["token_ids"] == want["token_ids"]
@@ -439,9 +469,9 @@ def _json(record: Any) -> Any:
     return json.loads(to_json(record))
 
 
-def _export(store: Any) -> dict[str, dict[str, Any]]:
+def _export(store: Any, rollouts: list[str]) -> dict[str, dict[str, Any]]:
     out = io.BytesIO()
-    report = store.export_jsonl(out)
+    report = store.export_jsonl(out, rollout_ids=rollouts)
     assert report.ok, report.failures
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     return {row["rollout_id"]: row for row in rows}

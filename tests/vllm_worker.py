@@ -15,7 +15,9 @@ decoding only the rest from prompt + restored prefix, then decode ``c2``.  ``c``
 no cut reached, is decoded again under ``c-a1`` with ``c/c0`` (staged by attempt 0) as its parent.
 Then the same rollouts decode without interruption as ``ref-a``, ``ref-b``, ``ref-c``
 (``reference``), and a call ``t/c0`` is cut from a second thread while it decodes freely and
-completes (``thread_cut``); a call with a stop token ends on it (``stop``); a prompt longer than the model takes is
+completes (``thread_cut``); a call with a stop token ends on it (``stop``); a call during which
+vLLM's weight version changes is ``capture_failed`` and the next call, all under the new
+version, is staged (``weight_update``); a prompt longer than the model takes is
 ``capture_failed`` (``too_long``).  It reports ``done``, and
 exits after a line on stdin.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -200,6 +203,7 @@ async def resume(path: str, model: str) -> None:
         emit("reference")
         emit("thread_cut", **await thread_cut(capture, engine))
         emit("stop", **await stop_token(capture, engine))
+        emit("weight_update", **await weight_update(capture, engine))
         call = capture.begin_call(CaptureAdmission(rollout_id="long", model_call_id="c0", mode="text"))
         capture.track(call, prompt_token_ids=[7] * 5000, effective_output_limit=8)  # max_model_len is 4096
         coords = await engine.decode(capture, call)
@@ -279,6 +283,39 @@ async def stop_token(capture: RolloutTokenCapture, engine: VllmEngine) -> dict[s
         info = capture.store.call(f"s-{name}", "c0")
         generated = [int(token) for token in record.token_ids_delta[len(user("b", 0)) :]]
         found[name] = {"finish": finish, "generated": generated, "stops": stops, "state": info and info.state}
+    return found
+
+
+async def weight_update(capture: RolloutTokenCapture, engine: VllmEngine) -> dict[str, Any]:
+    """vLLM's weight version is changed (``update_weight_version``) while a call decodes, after
+    its fourth token: the call is refused; a call decoded after it, under one version, is staged."""
+    found: dict[str, Any] = {}
+    failures: list[str] = []
+
+    class Failures(logging.Handler):  # the capture logs why a call failed
+        def emit(self, record: logging.LogRecord) -> None:
+            failures.append(record.getMessage())
+
+    handler = Failures()
+    logging.getLogger("store.capture").addHandler(handler)
+    try:
+        for name in ("across", "after"):
+            call = capture.begin_call(CaptureAdmission(rollout_id=f"w-{name}", model_call_id="c0", mode="text"))
+            capture.track(call, prompt_token_ids=user("a", 0), effective_output_limit=24)
+            seen: list[int] = []
+
+            async def on_tokens(ids: Any, _logprobs: Any, name: str = name, seen: list[int] = seen) -> None:
+                before = len(seen)
+                seen.extend(ids)
+                if name == "across" and before < 4 <= len(seen):
+                    await engine.llm.update_weight_version("w2")
+
+            coords = await engine.decode(capture, call, on_tokens=on_tokens)
+            info = capture.store.call(f"w-{name}", "c0")
+            found[name] = {"disposition": coords.disposition, "state": info and info.state, "observed": len(seen)}
+    finally:
+        logging.getLogger("store.capture").removeHandler(handler)
+    found["failures"] = failures
     return found
 
 

@@ -86,6 +86,7 @@ class VllmAdapter:
                     f"{len(generated)} generated tokens but {len(logprobs)} log-probs in the message"
                 )
             return generated, logprobs
+        one_weight_version(choice.get("weight_versions"))  # vLLM's token-in route reports them
         tokens, logprobs = _logprob_entries(choice.get("logprobs"))
         ids = choice.get("token_ids")
         if ids is not None:
@@ -131,6 +132,28 @@ class VllmAdapter:
         response = dict(_object(payload))
         response[COMMIT_COORDS_FIELD] = msgspec.json.decode(to_json(coords))
         return response
+
+
+def one_weight_version(spans: Any) -> None:
+    """vLLM labels the weights that sampled each output token (``AsyncLLM.update_weight_version``;
+    "default" until set) and reports the spans (``{version, start, end}``) with a finished
+    output.  A call's record stamps one weight version for all it generated, so a call decoded
+    across a weight update is refused (``CaptureDataError``: the call is ``capture_failed``)
+    rather than staged with a version wrong for some of its tokens."""
+    if not spans or not isinstance(spans, Sequence):
+        return
+    found = [(_span_field(span, "version"), _span_field(span, "start")) for span in spans]
+    if len({str(label) for label, _ in found}) > 1:
+        where = ", ".join(f"{str(label)!r} from token {start}" for label, start in found)
+        raise CaptureDataError(
+            f"vLLM decoded this call across a weight update ({where}): a record stamps one weight version "
+            "for all it generated; cut the calls in flight before updating the weights (each continues under "
+            "the new version)"
+        )
+
+
+def _span_field(span: Any, name: str) -> Any:
+    return span.get(name) if isinstance(span, Mapping) else getattr(span, name, None)
 
 
 def _object(payload: Any) -> Mapping[str, Any]:

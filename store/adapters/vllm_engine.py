@@ -27,6 +27,7 @@ import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from store.adapters.vllm import one_weight_version
 from store.errors import CaptureDataError, ConfigurationError
 from store.wire.records import CaptureAdmission, CommitCoords
 from store.worker.active_call import ActiveCall
@@ -191,6 +192,7 @@ class VllmEngine:
                 ids = [int(token) for token in completion.token_ids]
                 logprobs = _sampled_logprobs(completion.logprobs, ids)
                 if completion.finish_reason is not None:
+                    one_weight_version(getattr(completion, "weight_versions", None))
                     finish, stop_reason = str(completion.finish_reason), completion.stop_reason
                     # The last token (a stop token with finish "stop") is observed with the
                     # finish reason below, in one step, never alone in the lists.

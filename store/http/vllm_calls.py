@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from starlette.concurrency import run_in_threadpool
 
-from store.adapters.vllm import COMMIT_COORDS_FIELD, VllmAdapter
+from store.adapters.vllm import COMMIT_COORDS_FIELD, VllmAdapter, one_weight_version
 from store.adapters.vllm_splice import splice_verified_prefix
 from store.errors import CaptureDataError, CaptureError, InvalidRecordError, StoreError
 from store.http.bodies import Refusal, one_line
@@ -249,6 +249,12 @@ class CapturingGenerate:
             return
         logprobs = [entries[len(entries) - len(ids) + i][token].logprob for i, token in enumerate(ids)] if ids else []
         finish = completion.finish_reason
+        if finish is not None:
+            try:
+                one_weight_version(getattr(completion, "weight_versions", None))
+            except CaptureDataError as exc:
+                served.problems.append(str(exc))
+                return
         if finish is not None and finish not in _ENGINE_FINISHES:
             served.engine_finish = finish
             served.problems.append(f"the engine ended the call with finish_reason {finish!r}")
