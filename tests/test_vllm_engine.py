@@ -152,7 +152,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         second.expect("done")
         segments = vllm_support.shm_segments([second.process.pid, *vllm_support.vllm_descendants(second.process.pid)])
         second.send("exit")
+        found["after_shutdown"] = second.expect("after_shutdown")["error"]
         assert second.process.wait(TIMEOUT) == 0, (root / "resume.log").read_text()[-4000:]
+        found["resume_log"] = (root / "resume.log").read_text()
         vllm_support.remove_shm(segments)  # a clean shutdown unlinks them; anything left goes
     finally:
         second.close()
@@ -274,6 +276,15 @@ def test_a_stop_token_ends_the_call_with_finish_stop_as_its_last_token(scenario:
     first = free["generated"].index(stop)
     assert stopped["finish"] == "stop" and stopped["state"] == "completed"
     assert stopped["generated"] == free["generated"][: first + 1]
+
+
+@requires_vllm
+def test_a_worker_that_shuts_its_engine_down_exits_without_vllms_teardown_error(scenario: dict[str, Any]) -> None:
+    """``VllmEngine.shutdown`` lets AsyncLLM's own ``__del__`` run while the interpreter is whole:
+    left to the exit, it printed "Exception ignored in AsyncLLM.__del__" after every worker run.
+    A shut-down engine refuses to decode, saying so."""
+    assert "Exception ignored" not in scenario["resume_log"], scenario["resume_log"][-3000:]
+    assert scenario["after_shutdown"] == "ConfigurationError: this VllmEngine was shut down; build another to decode"
 
 
 @requires_vllm

@@ -213,6 +213,16 @@ async def resume(path: str, model: str) -> None:
     emit("done", pid=os.getpid())
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     engine.shutdown()
+    engine.shutdown()  # again: nothing to do
+    with open_store(path) as store:
+        capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 2)
+        call = capture.begin_call(CaptureAdmission(rollout_id="late", model_call_id="c0", mode="text"))
+        capture.track(call, prompt_token_ids=user("a", 0), effective_output_limit=4)
+        try:
+            await engine.generate(capture, call)
+        except Exception as exc:  # reported to the test
+            emit("after_shutdown", error=f"{type(exc).__name__}: {exc}")
+        capture.close()
 
 
 async def thread_cut(capture: RolloutTokenCapture, engine: VllmEngine) -> dict[str, Any]:

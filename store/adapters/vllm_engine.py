@@ -21,6 +21,7 @@ vLLM is optional and imported only when an engine is built: ``pip install vllm``
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import itertools
 import os
@@ -78,9 +79,9 @@ def build_async_llm(model: str | os.PathLike[str], **engine_args: Any) -> Any:
     ``engine_args`` (any ``AsyncEngineArgs`` field) override: ``seed=0``, ``max_model_len=4096``,
     ``enforce_eager=True`` (no compile step at start) and ``disable_log_stats=True``.  The
     environment gets ``CPU_ENVIRONMENT`` where not set (read by vLLM's CPU build only: a 1 GiB
-    KV cache, raise ``VLLM_CPU_KVCACHE_SPACE`` for long or many sequences; no usage stats).  Shut it down with
-    ``llm.shutdown()``.  Call it under ``if __name__ == "__main__"``: vLLM spawns its engine
-    process."""
+    KV cache, raise ``VLLM_CPU_KVCACHE_SPACE`` for long or many sequences; no usage stats).  Shut
+    it down with ``llm.shutdown()`` (``VllmEngine.shutdown`` does).  Call it under ``if __name__ ==
+    "__main__"``: vLLM spawns its engine process."""
     _vllm()
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -126,8 +127,20 @@ class VllmEngine:
         return cls(build_async_llm(model, **engine_args), sampling=sampling)
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine processes."""
-        self.llm.shutdown()
+        """Stop vLLM's engine processes; the engine decodes nothing after (idempotent)."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        llm.shutdown()
+        del llm
+        # AsyncLLM's __del__ shuts down again: let it run now, while the interpreter is whole
+        # (left to the exit, it prints "Exception ignored in AsyncLLM.__del__" after every run).
+        gc.collect()
+
+    def _llm(self) -> Any:
+        if self.llm is None:
+            raise ConfigurationError("this VllmEngine was shut down; build another to decode")
+        return self.llm
 
     def sampling_params(self, call_limit: int, continuation_min_tokens: int | None = None, **sampling: Any) -> Any:
         """The ``SamplingParams`` a call is decoded with: ``sampling`` over the engine's defaults,
@@ -168,6 +181,7 @@ class VllmEngine:
         prompt longer than the model takes, say) or its output carries no log-prob for a token (the request is aborted).
         """
         _, TokensPrompt, _ = _vllm()
+        llm = self._llm()
         plan = decoding_plan(capture, call)
         if plan.finished is not None:
             capture.observe(call, [], [], finish_reason=plan.finished)
@@ -187,7 +201,7 @@ class VllmEngine:
         last_ids: list[int] = []
         last_logprobs: list[float] = []
         try:
-            async for output in self.llm.generate(prompt, params, request_id):
+            async for output in llm.generate(prompt, params, request_id):
                 completion = output.outputs[0]
                 ids = [int(token) for token in completion.token_ids]
                 logprobs = _sampled_logprobs(completion.logprobs, ids)
