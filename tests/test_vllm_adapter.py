@@ -206,6 +206,9 @@ def test_a_call_sampled_by_two_weight_versions_is_refused() -> None:
     two["choices"][0]["weight_versions"] = spans
     with pytest.raises(CaptureDataError, match=r"across a weight update \('7' from token 0, '8' from token 2\)"):
         VllmAdapter().extract_generation(two)
+    two["choices"][0]["message"].update(generation_token_ids=GENERATED, generation_log_probs=LOGPROBS)
+    with pytest.raises(CaptureDataError, match="across a weight update"):  # Gym's message shape too
+        VllmAdapter().extract_generation(two)
 
 
 def test_pydantic_style_responses_are_read_through_model_dump() -> None:

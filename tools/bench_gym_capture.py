@@ -230,8 +230,11 @@ def main() -> None:
                 ]
                 if round_index % 2:
                     order.reverse()
-                # The ceiling: Gym's capture into a sink that does nothing (its own Python alone).
-                for name, make in [*order, ("none", lambda at: _Keep())]:
+                # The ceiling: Gym's capture into a sink that does nothing (its own Python alone),
+                # its block in the alternating order too.
+                nothing: tuple[str, Callable[[str], Any]] = ("none", lambda at: _Keep())
+                whole = [*order, nothing] if round_index % 2 == 0 else [nothing, *order]
+                for name, make in whole:
                     folder = os.path.join(base, f"{tag}-{name}")
                     os.makedirs(folder)
                     sink = make(folder)

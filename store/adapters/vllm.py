@@ -74,6 +74,7 @@ class VllmAdapter:
         ``generation_log_probs`` when it carries both (as Gym reads them first), else the choice's
         ``token_ids`` or the ``token_id:<n>`` log-prob tokens, with the log-probs."""
         choice = _choice(_object(payload))
+        one_weight_version(choice.get("weight_versions"))  # vLLM's token-in route reports them
         message = _message(choice)
         if "generation_token_ids" in message and "generation_log_probs" in message:
             generated = _ints("message.generation_token_ids", message["generation_token_ids"])
@@ -86,7 +87,6 @@ class VllmAdapter:
                     f"{len(generated)} generated tokens but {len(logprobs)} log-probs in the message"
                 )
             return generated, logprobs
-        one_weight_version(choice.get("weight_versions"))  # vLLM's token-in route reports them
         tokens, logprobs = _logprob_entries(choice.get("logprobs"))
         ids = choice.get("token_ids")
         if ids is not None:
