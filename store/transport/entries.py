@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-import numpy as np
 
 from store import arguments
 from store.errors import DigestMismatchError, InvalidRecordError
@@ -32,12 +33,18 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 def token_digest(token_ids: Any) -> str:
     """Gym's ``TokenEntry`` digest of an exact token sequence (``records.compute_digest``):
-    the empty sequence hashes the domain alone."""
-    ids = np.asarray(token_ids, dtype=np.uint64)
-    if ids.size == 0:
+    the empty sequence hashes the domain alone.  An id outside u64 raises ``OverflowError``."""
+    return _u64_digest(array("Q", token_ids))
+
+
+def _u64_digest(ids: array[int]) -> str:
+    """``token_digest`` of ids already held as u64 (byte-swapped here, in place, to big-endian)."""
+    if not ids:
         return _EMPTY_TOKEN_DIGEST
-    header = TOKEN_DIGEST_VERSION.to_bytes(1, "big") + int(ids.size).to_bytes(8, "big")
-    return hashlib.sha256(TOKEN_DIGEST_DOMAIN + header + ids.astype(">u8").tobytes()).hexdigest()
+    header = TOKEN_DIGEST_VERSION.to_bytes(1, "big") + len(ids).to_bytes(8, "big")
+    if sys.byteorder == "little":
+        ids.byteswap()
+    return hashlib.sha256(TOKEN_DIGEST_DOMAIN + header + ids.tobytes()).hexdigest()
 
 
 class _EntryFields(msgspec.Struct, kw_only=True):
@@ -129,10 +136,12 @@ def _check(fields: _EntryFields) -> None:
     call = f"entry {fields.rollout_id!r}/{fields.model_call_id!r}"
     if fields.schema_version != ENTRY_SCHEMA_VERSION:
         raise InvalidRecordError(f"{call} is TokenEntry schema_version {fields.schema_version}; this store holds 1")
+    cumulative_ids = array("Q")
     for name in ("prompt_token_ids", "generation_token_ids"):
-        ids = getattr(fields, name)
-        if ids and (min(ids) < 0 or max(ids) >= _U64):
-            raise InvalidRecordError(f"{call}: {name} must be u64 token ids")
+        try:  # held as u64 once: the range check and, below, the digest
+            cumulative_ids.extend(array("Q", getattr(fields, name)))
+        except OverflowError:
+            raise InvalidRecordError(f"{call}: {name} must be u64 token ids") from None
     if len(fields.generation_token_ids) != len(fields.generation_log_probs):
         raise InvalidRecordError(
             f"{call}: generation_token_ids and generation_log_probs differ in length "
@@ -155,10 +164,7 @@ def _check(fields: _EntryFields) -> None:
         raise InvalidRecordError(f"{call}: digest must be 64 lowercase hex digits, got {fields.digest!r}")
     if fields.prompt_is_delta:
         return  # its digest covers the parent chain's tokens: verified where the chain is read (resolve)
-    cumulative = len(fields.prompt_token_ids) + len(fields.generation_token_ids)
-    if fields.cum_len is not None and fields.cum_len != cumulative:
-        raise InvalidRecordError(f"{call}: cum_len {fields.cum_len} is not its {cumulative} tokens")
-    if fields.digest is not None and fields.digest != token_digest(
-        [*fields.prompt_token_ids, *fields.generation_token_ids]
-    ):
+    if fields.cum_len is not None and fields.cum_len != len(cumulative_ids):
+        raise InvalidRecordError(f"{call}: cum_len {fields.cum_len} is not its {len(cumulative_ids)} tokens")
+    if fields.digest is not None and fields.digest != _u64_digest(cumulative_ids):
         raise DigestMismatchError(f"{call}: its digest is not the token digest of its prompt and generation")
