@@ -183,3 +183,78 @@ def test_the_cut_route_on_the_event_loop_answers_as_the_thread_pool_route_does(s
     bad = client.post("/ng-control/v1/generation-cut", content=b'{"checkpoint_id": 1}', headers=auth)
     assert bad.status_code == 422 and bad.json()["code"] == "invalid_request"
     capture.close()
+
+
+def _through(app: Any, path: str, body: bytes) -> tuple[int, bytes, int]:
+    """POST ``body`` through ASGI ``app`` in 64 KiB messages: (status, response body, peak bytes
+    allocated meanwhile, by tracemalloc)."""
+    import asyncio
+    import tracemalloc
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", b"%d" % len(body))]}
+    parts = [body[start : start + 65536] for start in range(0, len(body), 65536)]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if not parts:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    tracemalloc.start()
+    try:
+        asyncio.run(app(scope, receive, send))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return sent[0]["status"], b"".join(message.get("body", b"") for message in sent[1:]), peak
+
+
+def test_requests_without_ng_capture_reach_vllm_as_sent_and_are_not_held_decoded() -> None:
+    """vLLM's own traffic through the capture middleware: the body arrives byte for byte, and
+    looking for ``ng_capture`` builds nothing of it (a 1.9 MB prompt of 300,000 ids decodes to
+    ~11 MB of Python objects, which the middleware used to hold while vLLM worked)."""
+    import json
+
+    from store.http.vllm_calls import CaptureMiddleware
+
+    seen: list[bytes] = []
+
+    async def vllm_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        seen.append(b"".join(chunks))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    body = json.dumps({"model": "m", "prompt": list(range(300_000)), "max_tokens": 4}).encode()
+    alone = _through(vllm_app, "/v1/completions", body)
+    wrapped = _through(CaptureMiddleware(vllm_app, service=None), "/v1/completions", body)
+    assert seen == [body, body] and wrapped[:2] == alone[:2] == (200, b"{}")
+    # One more copy of the body's bytes at most (the middleware reads it whole), no decoded copy.
+    assert wrapped[2] - alone[2] < 2 * len(body), (wrapped[2], alone[2], len(body))
+    for other in (b"[1, 2]", b"not json", b'{"nested": {"ng_capture": {}}}'):
+        assert _through(CaptureMiddleware(vllm_app, service=None), "/v1/chat/completions", other)[0] == 200
+        assert seen[-1] == other
+
+
+def test_a_request_naming_ng_capture_goes_to_admission_even_as_null(store: Any) -> None:
+    """``"ng_capture": null`` is a captured request with a bad admission: refused with the
+    store's 422, never handed to vLLM uncaptured."""
+    from store import RolloutTokenCapture
+    from store.http.vllm_calls import CallService, CaptureMiddleware
+
+    async def vllm_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise AssertionError("a captured request with a bad admission reached vLLM")
+
+    capture = RolloutTokenCapture(store=store, weight_version_fn=lambda: 1)
+    middleware = CaptureMiddleware(vllm_app, service=CallService(capture, store))
+    status, body, _ = _through(middleware, "/v1/completions", b'{"prompt": [1, 2], "ng_capture": null}')
+    assert status == 422 and b"invalid_admission" in body, body
+    capture.close()

@@ -342,15 +342,20 @@ class CaptureMiddleware:
             await self.app(scope, receive, send)
             return
         body = await _read(receive)
-        request = _json_object(body)
-        if request is None or CAPTURE_FIELD not in request:
+        if not _captured(body):  # vLLM's own traffic: handed on as it came, nothing decoded kept
             await self.app(scope, _replay(body, receive), send)
+            return
+        request = _json_object(body)
+        del body  # only the rewritten body goes on: a long prompt is not held twice meanwhile
+        if request is None:
+            await _send_json(send, 400, {"code": "invalid_request", "detail": "the request body is not a JSON object"})
             return
         try:
             served = await run_in_threadpool(self.service.admit, request, kind)
         except Refusal as refusal:
             await _send_json(send, refusal.status, {"code": refusal.code, "detail": refusal.detail})
             return
+        del request  # the service kept what it needs (``served.request``, rewritten)
         rewritten = msgspec.json.encode(served.request)
         scope = {**scope, "headers": _with_length(scope["headers"], len(rewritten))}
         response = _Collected()
@@ -412,6 +417,25 @@ def _replay(body: bytes, receive_more: Any) -> Callable[[], Awaitable[dict[str, 
         return {"type": "http.request", "body": body, "more_body": False}
 
     return receive
+
+
+class _CaptureProbe(msgspec.Struct):
+    """A request body read for ``ng_capture`` alone: msgspec skips every other field without
+    building it, so looking costs no copy of the request."""
+
+    capture: Any = msgspec.field(default=msgspec.UNSET, name=CAPTURE_FIELD)
+
+
+_PROBE = msgspec.json.Decoder(_CaptureProbe)
+
+
+def _captured(body: bytes) -> bool:
+    """Whether the body is a JSON object naming ``ng_capture`` (null included: the admission
+    then refuses it); anything else is vLLM's to answer."""
+    try:
+        return _PROBE.decode(body).capture is not msgspec.UNSET
+    except (msgspec.DecodeError, RecursionError):
+        return False
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:
