@@ -218,7 +218,7 @@ def test_requests_without_ng_capture_reach_vllm_as_sent_and_are_not_held_decoded
     ~11 MB of Python objects, which the middleware used to hold while vLLM worked)."""
     import json
 
-    from store.http.vllm_calls import CaptureMiddleware
+    from store.http.vllm_middleware import CaptureMiddleware
 
     seen: list[bytes] = []
 
@@ -248,7 +248,8 @@ def test_a_request_naming_ng_capture_goes_to_admission_even_as_null(store: Any) 
     """``"ng_capture": null`` is a captured request with a bad admission: refused with the
     store's 422, never handed to vLLM uncaptured."""
     from store import RolloutTokenCapture
-    from store.http.vllm_calls import CallService, CaptureMiddleware
+    from store.http.vllm_calls import CallService
+    from store.http.vllm_middleware import CaptureMiddleware
 
     async def vllm_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         raise AssertionError("a captured request with a bad admission reached vLLM")

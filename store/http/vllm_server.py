@@ -23,7 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from store.http.routes import control_router
-from store.http.vllm_calls import CallService, CaptureMiddleware, CapturingGenerate
+from store.http.vllm_calls import CallService
+from store.http.vllm_generate import CapturingGenerate
+from store.http.vllm_middleware import CaptureMiddleware
 from store.store import Store
 from store.worker.capture import RolloutTokenCapture
 
