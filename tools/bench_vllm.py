@@ -9,7 +9,7 @@ tokens, ``--concurrency`` at a time (default: one burst, requests = concurrency;
 requests than that, each finished request's place is taken by the next at once, as a server
 under steady load: one request's admission and completion then overlap the others' decoding;
 distinct 16-token prompts, temperature 1 with a seed per request, ``ignore_eos`` so every
-request decodes its whole budget) three times, in alternating order:
+request decodes its whole budget) four times, the order reversed every other round:
 
 * bare: ``AsyncLLM.generate`` with the same ``SamplingParams`` the engine uses (``logprobs=0``,
   no detokenizing, DELTA outputs), each delta's ids and log-probs appended to lists, as a
