@@ -49,6 +49,11 @@ def _claim_block() -> tuple[int, int]:
     raise RuntimeError(f"every address block 10.{BLOCKS[0]}-{BLOCKS[-1]}.0.0/16 is taken by a live run")
 
 
+def _link_address(block: int, index: int, end: int) -> str:
+    """An address on host ``index``'s link: ``end`` 1 the root namespace's, 2 the host's."""
+    return f"10.{block}.{100 + index}.{end}"
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
@@ -79,12 +84,12 @@ class Host:
     @property
     def replica_address(self) -> str:
         """The root namespace's address as this host sees it (where the replica listens)."""
-        return f"10.{self.block}.{100 + self.index}.1"
+        return _link_address(self.block, self.index, 1)
 
     @property
     def address(self) -> str:
         """This host's own address (its connections come from it)."""
-        return f"10.{self.block}.{100 + self.index}.2"
+        return _link_address(self.block, self.index, 2)
 
     def spawn(self, args: Sequence[str], worker: Path = WORKER) -> subprocess.Popen[str]:
         """``python tests/host_worker.py ARGS`` (or another ``worker`` program) in this host's namespace."""
@@ -118,7 +123,7 @@ class Hosts:
 
     def address(self, index: int) -> str:
         """The root namespace's end of host ``index``'s link (where the replica listens)."""
-        return f"10.{self.block}.{100 + index}.1"
+        return _link_address(self.block, index, 1)
 
     def add(self, index: int) -> Host:
         name = f"sts{self.tag}h{index}"
